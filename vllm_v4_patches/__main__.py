@@ -1,0 +1,64 @@
+"""``python -m vllm_v4_patches {path,status}``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+MARKER = "vllm_v4_patches-sitecustomize"
+
+
+def overlay_dir() -> str:
+    """The directory whose ``sitecustomize.py`` activates the overlay.
+
+    A git checkout has it at the repository root (next to the package); a wheel
+    ships it inside the package, so nothing lands at the top of site-packages.
+    """
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.dirname(package_dir), os.path.join(package_dir, "overlay")):
+        if _is_our_sitecustomize(os.path.join(candidate, "sitecustomize.py")):
+            return candidate
+    raise SystemExit("vllm_v4_patches: no overlay sitecustomize.py found; reinstall the package")
+
+
+def _is_our_sitecustomize(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return MARKER in handle.read()
+    except OSError:
+        return False
+
+
+def _status(as_json: bool) -> int:
+    from vllm_v4_patches.runtime import on_engine_start_quietly
+
+    document = on_engine_start_quietly()
+    if as_json:
+        print(json.dumps(document, indent=1, sort_keys=True))
+    else:
+        from vllm_v4_patches.status import format_table
+
+        print(format_table(document))
+    failed = [p for p, e in document["patches"].items() if e["outcome"] == "failed"]
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vllm_v4_patches")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("path", help="print the directory to put on PYTHONPATH")
+    status = commands.add_parser(
+        "status", help="import the patch targets here and report every patch's outcome"
+    )
+    status.add_argument("--json", action="store_true", help="the status-file schema")
+    args = parser.parse_args(argv)
+    if args.command == "path":
+        print(overlay_dir())
+        return 0
+    return _status(args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

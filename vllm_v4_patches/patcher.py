@@ -1,0 +1,128 @@
+"""Swapping attributes for one patch, recorded so that revert is exact.
+
+Every change a patch makes goes through its :class:`Patcher`: wrapping a
+function or method with a wrapt ``FunctionWrapper``, or rebinding a copy that
+another module took with ``from x import y``. Applying twice changes nothing
+the second time; revert restores the original objects, and refuses (loudly)
+when something else has since been installed over one of ours.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_MARK = "_self_vllm_v4_patch_id"  # `_self_` keeps the attribute on the proxy itself
+_MISSING = object()
+
+
+@dataclass
+class Swap:
+    owner: Any  # a class or a module
+    name: str
+    original: Any  # the raw attribute found in owner.__dict__, or _MISSING
+    replacement: Any
+
+
+@dataclass(frozen=True)
+class KnownCopy:
+    """A module that binds a patched function under its own name."""
+
+    module: str
+    name: str
+
+
+class RevertError(RuntimeError):
+    pass
+
+
+class Patcher:
+    def __init__(self, patch_id: str) -> None:
+        self.patch_id = patch_id
+        self.swaps: list[Swap] = []
+        self.known_copies: list[tuple[KnownCopy, Any]] = []  # (copy, replacement)
+
+    def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> Any:
+        """Wrap ``owner.name``; ``wrapper(wrapped, instance, args, kwargs)``."""
+        import wrapt
+
+        current = vars(owner).get(name, _MISSING)
+        if getattr(current, _MARK, None) == self.patch_id:
+            return current  # already ours: applying twice is a no-op
+        replacement = wrapt.wrap_function_wrapper(owner, name, wrapper)
+        setattr(replacement, _MARK, self.patch_id)
+        self.swaps.append(Swap(owner, name, current, replacement))
+        return replacement
+
+    def rebind_copies(
+        self, original: Any, replacement: Any, copies: tuple[KnownCopy, ...]
+    ) -> None:
+        """Point known ``from x import y`` copies at the replacement, now or on import."""
+        import wrapt
+
+        for copy in copies:
+            self.known_copies.append((copy, replacement))
+            module = sys.modules.get(copy.module)
+            if module is not None:
+                self._rebind(module, copy.name, original, replacement)
+            else:
+                wrapt.register_post_import_hook(
+                    lambda mod, c=copy: self._rebind(mod, c.name, original, replacement)
+                    if self.swaps
+                    else None,
+                    copy.module,
+                )
+
+    def _rebind(self, module: Any, name: str, original: Any, replacement: Any) -> None:
+        if vars(module).get(name, _MISSING) is original:
+            setattr(module, name, replacement)
+            self.swaps.append(Swap(module, name, original, replacement))
+
+    def copies_audit(self) -> tuple[int, int, list[str]]:
+        """(patched, imported, names of stale copies) over the known copies."""
+        patched = imported = 0
+        stale: list[str] = []
+        for copy, replacement in self.known_copies:
+            module = sys.modules.get(copy.module)
+            if module is None:
+                continue
+            imported += 1
+            if vars(module).get(copy.name, _MISSING) is replacement:
+                patched += 1
+            else:
+                stale.append(f"{copy.module}.{copy.name}")
+        return patched, imported, stale
+
+    def revert(self) -> None:
+        for swap in reversed(self.swaps):
+            current = vars(swap.owner).get(swap.name, _MISSING)
+            if current is not swap.replacement:
+                raise RevertError(
+                    f"{_label(swap)} was replaced after vllm_v4_patches.{self.patch_id} "
+                    "patched it; not reverting over the newer object"
+                )
+        for swap in reversed(self.swaps):
+            if swap.original is _MISSING:
+                delattr(swap.owner, swap.name)
+            else:
+                setattr(swap.owner, swap.name, swap.original)
+        self.swaps.clear()
+        self.known_copies.clear()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.swaps)
+
+
+def _label(swap: Swap) -> str:
+    owner = getattr(swap.owner, "__qualname__", None) or getattr(
+        swap.owner, "__name__", repr(swap.owner)
+    )
+    return f"{owner}.{swap.name}"
+
+
+def is_patched_by(obj: Any, patch_id: str) -> bool:
+    """Whether ``obj`` is a wrapper installed by the given patch."""
+    return getattr(obj, _MARK, None) == patch_id

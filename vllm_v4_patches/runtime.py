@@ -1,0 +1,297 @@
+"""The overlay in a process that imports vLLM: hooks, guards, outcomes, reports.
+
+Lifecycle:
+
+1. ``activate()`` (on the first ``import vllm``, or from the vLLM plugin entry
+   point) detects the vLLM version, loads the patch records, reads the toggles and
+   registers a wrapt post-import hook for every target module of every enabled
+   patch.
+2. When a target module is imported, its patches are *resolved*: version range,
+   then the source probe, then apply. Every exception becomes outcome
+   ``failed`` (or propagates as ``StrictModeError`` in strict mode).
+3. When vLLM loads its general plugins (once per vLLM process: front end,
+   engine core, each worker), the overlay resolves the patches whose targets
+   were not imported yet, logs the one-line summary and writes the status file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+
+from vllm_v4_patches import status as status_mod
+from vllm_v4_patches import toggles, versions
+from vllm_v4_patches.errors import ProbeError, StrictModeError
+from vllm_v4_patches.patcher import Patcher
+from vllm_v4_patches.registry import Patch, load_patches
+from vllm_v4_patches.sources import InstalledSource
+from vllm_v4_patches.status import PatchStatus
+
+logger = logging.getLogger("vllm_v4_patches")
+
+
+@dataclass
+class PatchState:
+    patch: Patch
+    status: PatchStatus | None = None  # None until resolved in this process
+    patcher: Patcher | None = None
+    hooked: bool = False
+
+
+@dataclass
+class Runtime:
+    version: versions.DetectedVersion
+    states: dict[str, PatchState]
+    strict: bool
+    reported: bool = False
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    # -- resolution -------------------------------------------------------
+
+    def resolve(self, patch_id: str) -> None:
+        with self.lock:
+            state = self.states[patch_id]
+            if state.status is None:
+                state.status = self._decide(state)
+                self._changed()
+            if state.status.outcome == "failed" and self.strict:
+                raise StrictModeError(
+                    f"vllm_v4_patches: patch {patch_id} failed: {state.status.detail}"
+                )
+
+    def _decide(self, state: PatchState) -> PatchStatus:
+        record = state.patch.record
+        note = ""
+        parsed = versions.parse(self.version.raw)
+        if parsed is None:
+            note = f" (vLLM version unknown: {self.version.source}; the probe decided)"
+        elif not versions.in_range(self.version.raw, record.vllm_versions):
+            return PatchStatus(
+                "out-of-range",
+                f"vLLM {self.version.raw} is outside {record.vllm_versions}",
+            )
+        try:
+            found = state.patch.probe(InstalledSource())
+        except ProbeError as exc:
+            return PatchStatus("failed", f"probe: {exc}")
+        except Exception as exc:
+            return PatchStatus("failed", f"probe crashed: {type(exc).__name__}: {exc}")
+        if found.verdict != "needed":
+            return PatchStatus(found.verdict, found.detail + note)
+        patcher = Patcher(record.id)
+        try:
+            done = state.patch.apply(patcher, found)
+        except Exception as exc:
+            _undo_quietly(patcher)
+            return PatchStatus("failed", f"apply: {type(exc).__name__}: {exc}")
+        state.patcher = patcher
+        return PatchStatus("applied", done + note)
+
+    def resolve_pending(self) -> None:
+        """Import the targets not imported yet, so every patch gets an outcome."""
+        for patch_id, state in self.states.items():
+            if state.status is not None:
+                continue
+            for module in state.patch.record.modules:
+                try:
+                    importlib.import_module(module)  # fires the hook, which resolves
+                except ModuleNotFoundError as exc:
+                    if exc.name is None or not module.startswith(exc.name):
+                        self._fail(patch_id, f"importing {module}: {exc}")
+                except StrictModeError:
+                    raise
+                except Exception as exc:
+                    self._fail(patch_id, f"importing {module}: {type(exc).__name__}: {exc}")
+            if state.status is None:
+                self.resolve(patch_id)  # no target module exists: the probe says so
+
+    def _fail(self, patch_id: str, detail: str) -> None:
+        with self.lock:
+            self.states[patch_id].status = PatchStatus("failed", detail)
+            self._changed()
+        if self.strict:
+            raise StrictModeError(f"vllm_v4_patches: patch {patch_id} failed: {detail}")
+
+    # -- explicit apply / revert (tests, tools) ---------------------------
+
+    def revert(self, patch_id: str) -> None:
+        with self.lock:
+            state = self.states[patch_id]
+            if state.patcher is not None:
+                state.patcher.revert()
+                state.patcher = None
+            state.status = PatchStatus("disabled", "reverted in this process")
+            self._changed()
+
+    def reapply(self, patch_id: str) -> None:
+        with self.lock:
+            state = self.states[patch_id]
+            if state.patcher is not None and state.patcher.active:
+                return  # idempotent
+            state.status = None
+        self.resolve(patch_id)
+
+    # -- reporting --------------------------------------------------------
+
+    def document(self) -> dict:
+        patches = {}
+        for patch_id, state in self.states.items():
+            patches[patch_id] = state.status or PatchStatus(
+                "absent", "target module not imported in this process"
+            )
+            if state.patcher is not None and state.patcher.known_copies:
+                patched, imported, stale = state.patcher.copies_audit()
+                note = f"; known copies patched: {patched}/{imported}"
+                if stale:
+                    note += " (stale: " + ", ".join(stale) + ")"
+                patches[patch_id] = PatchStatus(
+                    patches[patch_id].outcome, patches[patch_id].detail + note
+                )
+        return status_mod.report(self.version.raw, patches)
+
+    def report_once(self) -> None:
+        with self.lock:
+            if self.reported:
+                return
+            self.reported = True
+            document = self.document()
+        status_mod.log_summary(document)
+        self._write_status_file(document)
+
+    def _changed(self) -> None:
+        if self.reported:
+            self._write_status_file(self.document())
+
+    def _write_status_file(self, document: dict) -> None:
+        directory = toggles.status_dir()
+        if directory:
+            status_mod.write_status_file(directory, document)
+
+
+_runtime: Runtime | None = None
+_activation_lock = threading.Lock()
+
+
+def activate() -> Runtime:
+    """Set the overlay up in this process (idempotent)."""
+    global _runtime
+    from vllm_v4_patches._startup import disarm
+
+    disarm()  # from here on the overlay's own lookups of `vllm` must not re-enter
+    with _activation_lock:
+        if _runtime is not None:
+            return _runtime
+        runtime = Runtime(
+            version=versions.detect(),
+            states={p.id: PatchState(p) for p in load_patches()},
+            strict=toggles.strict_mode(),
+        )
+        _runtime = runtime
+    toggles.warn_unknown_patch_switches(runtime.states)
+    import wrapt
+
+    for patch_id, state in runtime.states.items():
+        record = state.patch.record
+        enabled, why = toggles.patch_enabled(patch_id, record.default_enabled)
+        if not enabled:
+            state.status = PatchStatus("disabled", why)
+            continue
+        state.hooked = True
+        for module in record.modules:
+            wrapt.register_post_import_hook(_hook_for(patch_id), module)
+    wrapt.register_post_import_hook(_instrument_plugin_loader, "vllm.plugins")
+    wrapt.register_post_import_hook(_declare_settings_to_vllm, "vllm.envs")
+    os.register_at_fork(after_in_child=_after_fork)
+    return runtime
+
+
+def _hook_for(patch_id: str):
+    def on_target_imported(module: object) -> None:
+        try:
+            _runtime.resolve(patch_id)
+        except StrictModeError:
+            raise
+        except Exception as exc:  # a hook that raises would break the import
+            logger.warning("vllm_v4_patches: resolving %s: %r", patch_id, exc)
+
+    return on_target_imported
+
+
+def _instrument_plugin_loader(module: object) -> None:
+    """Report when vLLM loads its general plugins: once in every vLLM process."""
+    import wrapt
+
+    def after_plugins_loaded(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        on_engine_start()
+        return result
+
+    try:
+        wrapt.wrap_function_wrapper(module, "load_general_plugins", after_plugins_loaded)
+    except Exception as exc:
+        logger.warning(
+            "vllm_v4_patches: cannot hook vllm.plugins.load_general_plugins (%r); "
+            "the status summary comes only from the plugin entry point",
+            exc,
+        )
+
+
+def _declare_settings_to_vllm(module: object) -> None:
+    """Register our VLLM_V4_* variables as known to vLLM.
+
+    vLLM warns about (or, with environment validation on, rejects) any
+    ``VLLM_*`` variable it does not know.
+    """
+    known = getattr(module, "environment_variables", None)
+    if not isinstance(known, dict) or _runtime is None:
+        return
+    for name in toggles.all_settings(_runtime.states):
+        known.setdefault(name, lambda name=name: os.environ.get(name))
+
+
+def on_engine_start() -> None:
+    runtime = activate()
+    try:
+        runtime.resolve_pending()
+        runtime.report_once()
+    except StrictModeError:
+        raise
+    except Exception as exc:
+        logger.warning("vllm_v4_patches: reporting failed: %r", exc)
+
+
+def vllm_plugin() -> None:
+    """The ``vllm.general_plugins`` entry point (pip installs, Ray workers)."""
+    from vllm_v4_patches._startup import arm
+
+    arm()  # marks start-up as done so a later sitecustomize run is a no-op
+    on_engine_start()
+
+
+def _after_fork() -> None:
+    if _runtime is not None and _runtime.reported:
+        _runtime._write_status_file(_runtime.document())
+
+
+def current() -> Runtime | None:
+    return _runtime
+
+
+def _undo_quietly(patcher: Patcher) -> None:
+    try:
+        patcher.revert()
+    except Exception as exc:
+        logger.warning("vllm_v4_patches: undoing a failed apply: %r", exc)
+
+
+def on_engine_start_quietly() -> dict:
+    """Resolve every patch here and return the status document (for the CLI).
+
+    The summary line is left to vLLM processes; the CLI prints its own table.
+    """
+    runtime = activate()
+    runtime.resolve_pending()
+    return runtime.document()

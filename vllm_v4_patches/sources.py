@@ -1,0 +1,85 @@
+"""Source readers for probes: the live vLLM, or an unpacked source tree.
+
+A probe asks for a module's source by dotted name and gets text, or None when
+the module does not exist in that vLLM. Reading never imports the module.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from importlib import util
+from typing import Protocol
+
+
+class SourceReader(Protocol):
+    def read(self, module: str) -> str | None: ...
+
+
+class InstalledSource:
+    """The vLLM that this interpreter would import (files located by find_spec)."""
+
+    def read(self, module: str) -> str | None:
+        try:
+            spec = util.find_spec(module)
+        except (ImportError, ValueError):
+            return None
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            return None
+        with open(spec.origin, encoding="utf-8") as handle:
+            return handle.read()
+
+
+class TreeSource:
+    """An unpacked vLLM source tree: ``root`` holds the ``vllm/`` package."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def read(self, module: str) -> str | None:
+        base = os.path.join(self.root, *module.split("."))
+        for path in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as handle:
+                    return handle.read()
+        return None
+
+
+# AST helpers shared by probes.
+
+
+def find_class(tree: ast.Module, name: str) -> ast.ClassDef | None:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    return None
+
+
+def find_method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    return None
+
+
+def dotted(node: ast.AST) -> str:
+    """``self.quant_method.embedding`` for an attribute chain, else ''."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return ""
+
+
+def names_in(node: ast.AST) -> set[str]:
+    """Every bare name and attribute name used inside ``node``."""
+    found: set[str] = set()
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name):
+            found.add(child.id)
+        elif isinstance(child, ast.Attribute):
+            found.add(child.attr)
+    return found
