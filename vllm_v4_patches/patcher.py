@@ -76,8 +76,12 @@ class Patcher:
                 )
 
     def _rebind(self, module: Any, name: str, original: Any, replacement: Any) -> None:
-        if vars(module).get(name, _MISSING) is original:
+        current = vars(module).get(name, _MISSING)
+        if current is original:
             setattr(module, name, replacement)
+        if current is original or current is replacement:
+            # a module imported after the patch already bound the replacement;
+            # recording it anyway lets revert hand it the original back
             self.swaps.append(Swap(module, name, original, replacement))
 
     def copies_audit(self) -> tuple[int, int, list[str]]:

@@ -175,6 +175,32 @@ _runtime: Runtime | None = None
 _activation_lock = threading.Lock()
 
 
+def build_runtime(patches: list[Patch]) -> Runtime:
+    """A runtime for these patches, toggles read and disabled patches settled."""
+    runtime = Runtime(
+        version=versions.detect(),
+        states={p.id: PatchState(p) for p in patches},
+        strict=toggles.strict_mode(),
+    )
+    toggles.warn_unknown_patch_switches(runtime.states)
+    for patch_id, state in runtime.states.items():
+        enabled, why = toggles.patch_enabled(patch_id, state.patch.record.default_enabled)
+        if not enabled:
+            state.status = PatchStatus("disabled", why)
+    return runtime
+
+
+def install_hooks(runtime: Runtime) -> None:
+    """A post-import hook on every target module of every patch still pending."""
+    import wrapt
+
+    for patch_id, state in runtime.states.items():
+        if state.status is None and not state.hooked:
+            state.hooked = True
+            for module in state.patch.record.modules:
+                wrapt.register_post_import_hook(_hook_for(runtime, patch_id), module)
+
+
 def activate() -> Runtime:
     """Set the overlay up in this process (idempotent)."""
     global _runtime
@@ -184,34 +210,20 @@ def activate() -> Runtime:
     with _activation_lock:
         if _runtime is not None:
             return _runtime
-        runtime = Runtime(
-            version=versions.detect(),
-            states={p.id: PatchState(p) for p in load_patches()},
-            strict=toggles.strict_mode(),
-        )
-        _runtime = runtime
-    toggles.warn_unknown_patch_switches(runtime.states)
+        _runtime = build_runtime(load_patches())
     import wrapt
 
-    for patch_id, state in runtime.states.items():
-        record = state.patch.record
-        enabled, why = toggles.patch_enabled(patch_id, record.default_enabled)
-        if not enabled:
-            state.status = PatchStatus("disabled", why)
-            continue
-        state.hooked = True
-        for module in record.modules:
-            wrapt.register_post_import_hook(_hook_for(patch_id), module)
+    install_hooks(_runtime)
     wrapt.register_post_import_hook(_instrument_plugin_loader, "vllm.plugins")
     wrapt.register_post_import_hook(_declare_settings_to_vllm, "vllm.envs")
     os.register_at_fork(after_in_child=_after_fork)
-    return runtime
+    return _runtime
 
 
-def _hook_for(patch_id: str):
+def _hook_for(runtime: Runtime, patch_id: str):
     def on_target_imported(module: object) -> None:
         try:
-            _runtime.resolve(patch_id)
+            runtime.resolve(patch_id)
         except StrictModeError:
             raise
         except Exception as exc:  # a hook that raises would break the import

