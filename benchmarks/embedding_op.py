@@ -60,14 +60,20 @@ def main() -> None:
             layer(ids)
         return (time.perf_counter() - started) / repeat
 
-    print(f"vocab {args.vocab}, hidden {args.hidden}, bf16, torch threads {torch.get_num_threads()}")
+    print(
+        f"vocab {args.vocab}, hidden {args.hidden}, bf16, torch threads {torch.get_num_threads()}"
+    )
     print("| tokens | stock (median) | patched (median) | ratio |")
     print("|---|---|---|---|")
     for tokens in (1, 64, 4096):
         ids = torch.randint(0, args.vocab, (tokens,))
         repeat = max(1, 20000 // tokens)
         cost(ids, True, repeat), cost(ids, False, repeat)
-        result = paired(lambda: cost(ids, False, repeat), lambda: cost(ids, True, repeat), args.pairs)
+        result = paired(
+            lambda ids=ids, n=repeat: cost(ids, False, n),
+            lambda ids=ids, n=repeat: cost(ids, True, n),
+            args.pairs,
+        )
         print(
             f"| {tokens} | {result['a'] * 1e6:.1f} µs | {result['b'] * 1e6:.1f} µs | "
             f"{result['ratio']:.2f} |"

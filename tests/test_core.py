@@ -27,18 +27,14 @@ _names = itertools.count()
 def target_module(tmp_path, monkeypatch):
     """Write a fresh uniquely named target module; return its name (not imported)."""
     name = f"synthetic_target_{next(_names)}"
-    (tmp_path / f"{name}.py").write_text(
-        textwrap.dedent(
-            """
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
             def greet():
                 return "stock"
 
             class Greeter:
                 def hello(self, who):
                     return "hello " + who
-            """
-        )
-    )
+            """))
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     yield name

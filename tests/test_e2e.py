@@ -20,14 +20,17 @@ MAX_TOKENS = 16
 VLLM_ROLES = {"front-end", "engine-core", "worker"}
 
 
-def generate(model, *, pythonpath=(), env=None, eager=True) -> dict:
+def generate(model, *, pythonpath=(), env=None, eager=True, logs=False) -> dict:
     args = [GENERATE, str(model), "--max-tokens", str(MAX_TOKENS), "--prompts", *PROMPTS]
     if not eager:
         args.append("--no-eager")
     settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
     result = run_python(args, pythonpath=pythonpath, env=settings)
     [line] = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    return json.loads(line.removeprefix("RESULT "))
+    found = json.loads(line.removeprefix("RESULT "))
+    if logs:
+        found["logs"] = result.stdout + result.stderr
+    return found
 
 
 @pytest.fixture(scope="session")
@@ -93,12 +96,21 @@ def test_global_switch_off_reports_disabled_everywhere(tiny_model, tmp_path, sto
 def test_compiled_model_runs_the_patched_forward_through_torch_compile(
     tiny_model, tmp_path, hf_reference
 ):
-    """No enforce_eager: vLLM compiles the model forward (fullgraph) with the wrapper inside."""
+    """No enforce_eager: vLLM compiles the model forward (fullgraph, inductor) with the
+    wrapper inside. A compile cache left by a stock run must not be reused by the
+    overlay, or the patch would silently be missing from the compiled graph."""
+    cache = {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
+    stock = generate(tiny_model, env=cache, eager=False, logs=True)
+    assert "saved AOT compiled function" in stock["logs"]
+    status = tmp_path / "status"
     result = generate(
         tiny_model,
         pythonpath=[REPO],
-        env={"VLLM_V4_PATCHES_STATUS_DIR": str(tmp_path)},
+        env={**cache, "VLLM_V4_PATCHES_STATUS_DIR": str(status)},
         eager=False,
+        logs=True,
     )
-    assert roles_and_outcomes(tmp_path)["worker"] == {"embedding=applied"}
-    assert result["token_ids"] == hf_reference
+    assert "Directly load AOT compilation" not in result["logs"]
+    assert "saved AOT compiled function" in result["logs"]
+    assert roles_and_outcomes(status)["worker"] == {"embedding=applied"}
+    assert result["token_ids"] == stock["token_ids"] == hf_reference

@@ -76,7 +76,9 @@ print(json.dumps({
 def test_plugin_entry_point_applies_each_patch_exactly_once(installed, tmp_path, ways):
     path = [installed]
     if ways == "plugin and sitecustomize":
-        path.append(run_python(["-m", "vllm_v4_patches", "path"], pythonpath=[installed]).stdout.strip())
+        path.append(
+            run_python(["-m", "vllm_v4_patches", "path"], pythonpath=[installed]).stdout.strip()
+        )
     result = run_python(
         ["-c", CHECK_ONCE],
         pythonpath=path,
@@ -92,7 +94,10 @@ def test_vllm_plugins_allowlist_without_us_leaves_the_plugin_path_off(installed,
     result = run_python(
         ["-c", CHECK_ONCE],
         pythonpath=[installed],
-        env={"VLLM_PLUGINS": "lora_filesystem_resolver", "VLLM_V4_PATCHES_STATUS_DIR": str(tmp_path)},
+        env={
+            "VLLM_PLUGINS": "lora_filesystem_resolver",
+            "VLLM_V4_PATCHES_STATUS_DIR": str(tmp_path),
+        },
     )
     assert '{"wrapped_once": false, "patched": false}' in result.stdout
     assert read_status_files(tmp_path) == []

@@ -10,16 +10,19 @@ import pytest
 from conftest import REPO, run_python
 from vllm_v4_patches import toggles, versions
 
+OFF = (False, "VLLM_V4_PATCHES is off")
+ON_BY_SWITCH = (True, "VLLM_V4_PATCH_EMBEDDING=on")
+
 
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
         ({}, (True, "default on")),
-        ({"VLLM_V4_PATCHES": "0"}, (False, "VLLM_V4_PATCHES is off")),
-        ({"VLLM_V4_PATCHES": "False"}, (False, "VLLM_V4_PATCHES is off")),
-        ({"VLLM_V4_PATCHES": "off", "VLLM_V4_PATCH_EMBEDDING": "1"}, (False, "VLLM_V4_PATCHES is off")),
+        ({"VLLM_V4_PATCHES": "0"}, OFF),
+        ({"VLLM_V4_PATCHES": "False"}, OFF),
+        ({"VLLM_V4_PATCHES": "off", "VLLM_V4_PATCH_EMBEDDING": "1"}, OFF),
         ({"VLLM_V4_PATCH_EMBEDDING": "0"}, (False, "VLLM_V4_PATCH_EMBEDDING=0")),
-        ({"VLLM_V4_PATCHES": "yes", "VLLM_V4_PATCH_EMBEDDING": "on"}, (True, "VLLM_V4_PATCH_EMBEDDING=on")),
+        ({"VLLM_V4_PATCHES": "yes", "VLLM_V4_PATCH_EMBEDDING": "on"}, ON_BY_SWITCH),
         ({"VLLM_V4_PATCH_EMBEDDING": " "}, (True, "default on")),
     ],
 )  # fmt: skip

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import ast
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_v4_patches.errors import ProbeError
 from vllm_v4_patches.registry import PatchRecord, ProbeResult, Target
 from vllm_v4_patches.sources import SourceReader, dotted, find_class, find_method
+
+if TYPE_CHECKING:
+    from vllm_v4_patches.patcher import Patcher
 
 MODULE = "vllm.model_executor.layers.vocab_parallel_embedding"
 
@@ -163,7 +166,7 @@ def _assigns_self_attribute(cls: ast.ClassDef, name: str) -> bool:
 # -- apply ------------------------------------------------------------------
 
 
-def apply(patcher: Any, found: ProbeResult) -> str:
+def apply(patcher: Patcher, found: ProbeResult) -> str:
     import importlib
 
     module = importlib.import_module(MODULE)
@@ -171,7 +174,7 @@ def apply(patcher: Any, found: ProbeResult) -> str:
     return f"wrapped VocabParallelEmbedding.{found.variant}"
 
 
-def masked_lookup_at_tp1(wrapped, instance, args, kwargs):
+def masked_lookup_at_tp1(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Zero rows for ids outside the table at tp_size 1; TP>1 is left to stock."""
     if instance.tp_size != 1:
         return wrapped(*args, **kwargs)

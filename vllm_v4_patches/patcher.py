@@ -56,9 +56,7 @@ class Patcher:
         self.swaps.append(Swap(owner, name, current, replacement))
         return replacement
 
-    def rebind_copies(
-        self, original: Any, replacement: Any, copies: tuple[KnownCopy, ...]
-    ) -> None:
+    def rebind_copies(self, original: Any, replacement: Any, copies: tuple[KnownCopy, ...]) -> None:
         """Point known ``from x import y`` copies at the replacement, now or on import."""
         import wrapt
 
@@ -69,9 +67,9 @@ class Patcher:
                 self._rebind(module, copy.name, original, replacement)
             else:
                 wrapt.register_post_import_hook(
-                    lambda mod, c=copy: self._rebind(mod, c.name, original, replacement)
-                    if self.swaps
-                    else None,
+                    lambda mod, c=copy: (
+                        self._rebind(mod, c.name, original, replacement) if self.swaps else None
+                    ),
                     copy.module,
                 )
 

@@ -136,6 +136,16 @@ class Runtime:
 
     # -- reporting --------------------------------------------------------
 
+    def compile_fingerprint(self) -> str:
+        """The switch's raw value and the patches applied in this process."""
+        applied = sorted(
+            patch_id
+            for patch_id, state in self.states.items()
+            if state.status is not None and state.status.outcome == "applied"
+        )
+        raw = os.environ.get(toggles.GLOBAL_SWITCH, "")
+        return f"{raw}|applied={','.join(applied)}"
+
     def document(self) -> dict:
         patches = {}
         for patch_id, state in self.states.items():
@@ -255,13 +265,18 @@ def _declare_settings_to_vllm(module: object) -> None:
     """Register our VLLM_V4_* variables as known to vLLM.
 
     vLLM warns about (or, with environment validation on, rejects) any
-    ``VLLM_*`` variable it does not know.
+    ``VLLM_*`` variable it does not know. Known variables also feed vLLM's
+    torch.compile cache key, so the global switch's entry reports which
+    patches are applied: a graph compiled without a patch is never reused
+    where it is applied, and the other way round.
     """
     known = getattr(module, "environment_variables", None)
-    if not isinstance(known, dict) or _runtime is None:
+    runtime = _runtime
+    if not isinstance(known, dict) or runtime is None:
         return
-    for name in toggles.all_settings(_runtime.states):
+    for name in toggles.all_settings(runtime.states):
         known.setdefault(name, lambda name=name: os.environ.get(name))
+    known[toggles.GLOBAL_SWITCH] = runtime.compile_fingerprint
 
 
 def on_engine_start() -> None:

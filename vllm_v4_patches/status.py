@@ -77,8 +77,7 @@ def write_status_file(directory: str, document: dict) -> None:
         os.replace(temporary, path)  # readers never see a half-written file
     except OSError as exc:
         logger.warning(
-            "vllm_v4_patches: cannot write the status file in "
-            "VLLM_V4_PATCHES_STATUS_DIR=%r: %s",
+            "vllm_v4_patches: cannot write the status file in " "VLLM_V4_PATCHES_STATUS_DIR=%r: %s",
             directory,
             exc,
         )

@@ -1,0 +1,48 @@
+"""``make demo``: stock vLLM on the tiny model through the overlay, with every
+process's patch status.
+
+    python tools/demo.py MODEL_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    model = sys.argv[1] if len(sys.argv) > 1 else str(REPO / ".cache/models/tiny-llama")
+    with tempfile.TemporaryDirectory() as status_dir:
+        env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_V4_PATCHES_STATUS_DIR=status_dir)
+        command = [sys.executable, str(REPO / "tools" / "generate.py"), model]
+        print("$ PYTHONPATH=" + str(REPO) + " " + " ".join(command[1:]), flush=True)
+        run = subprocess.run(command, env=env, capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.stderr.write(run.stderr[-6000:])
+            raise SystemExit(run.returncode)
+        [line] = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
+        result = json.loads(line.removeprefix("RESULT "))
+        print("\nGenerated (greedy, 16 tokens each):")
+        for text in result["texts"]:
+            print("  " + repr(text))
+        print(f"\nengine start {result['init_s']:.1f} s, generate {result['generate_s']:.2f} s")
+        print("\nPatch status, one row per vLLM process:")
+        print(f"  {'pid':>7}  {'role':<12}  {'vLLM':<8}  patches")
+        for path in sorted(Path(status_dir).glob("*.json")):
+            doc = json.loads(path.read_text())
+            patches = ", ".join(f"{k}={v['outcome']}" for k, v in doc["patches"].items())
+            print(f"  {doc['pid']:>7}  {doc['role']:<12}  {doc['vllm_version']:<8}  {patches}")
+        print("\nSummary lines from the processes' logs:")
+        for log_line in run.stderr.splitlines():
+            if "vllm_v4_patches [" in log_line:
+                print("  " + log_line.strip())
+
+
+if __name__ == "__main__":
+    main()
