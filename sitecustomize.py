@@ -12,17 +12,22 @@ work until the process imports ``vllm``. Nothing here may raise.
 def _run_shadowed_sitecustomize() -> None:
     import os
     import sys
-    from importlib.machinery import PathFinder
-    from importlib.util import module_from_spec
 
-    here = os.path.dirname(os.path.realpath(__file__))
-    others = [p for p in sys.path if os.path.realpath(p or os.curdir) != here]
-    spec = PathFinder.find_spec("sitecustomize", others)
+    # The PathFinder already on sys.meta_path: importing importlib.machinery for
+    # it would cost ~0.6 ms in every process.
+    path_finder = next(f for f in sys.meta_path if getattr(f, "__name__", "") == "PathFinder")
+
+    # Plain string comparison: realpath on every entry costs ~1 ms per process.
+    here = os.path.dirname(os.path.abspath(__file__))
+    others = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = path_finder.find_spec("sitecustomize", others)
     if spec is None or spec.loader is None:
         return
     if spec.origin and os.path.realpath(spec.origin) == os.path.realpath(__file__):
         return
-    shadowed = module_from_spec(spec)
+    # importlib.util.module_from_spec would cost ~5 ms of imports in every process
+    shadowed = type(sys)(spec.name)
+    shadowed.__spec__, shadowed.__loader__, shadowed.__file__ = spec, spec.loader, spec.origin
     spec.loader.exec_module(shadowed)
     globals()["shadowed_sitecustomize"] = shadowed
 

@@ -3,7 +3,9 @@
     python benchmarks/startup.py [--pairs N] [--vllm-pairs M]
 
 Each sample is a fresh interpreter; samples alternate between "off" (no overlay
-on PYTHONPATH) and "on" (the repository on PYTHONPATH).
+on PYTHONPATH) and "on" (the repository on PYTHONPATH). A third row puts an
+empty ``sitecustomize.py`` on PYTHONPATH instead: the floor any sitecustomize-based
+overlay pays before running a single line.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,10 +24,10 @@ from _paired import paired  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
-def timed(code: str, overlay: bool) -> float:
+def timed(code: str, overlay: bool, path: str = str(REPO)) -> float:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if overlay:
-        env["PYTHONPATH"] = str(REPO)
+        env["PYTHONPATH"] = path
     started = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd="/")
     return time.perf_counter() - started
@@ -36,6 +39,11 @@ def main() -> None:
     parser.add_argument("--vllm-pairs", type=int, default=8)
     args = parser.parse_args()
     rows = []
+    with tempfile.TemporaryDirectory() as empty:
+        Path(empty, "sitecustomize.py").write_text("")
+        timed("pass", True, empty)
+        floor = paired(lambda: timed("pass", False), lambda: timed("pass", True, empty), args.pairs)
+    rows.append(("python -c pass` with an empty `sitecustomize.py", floor))
     for label, code, pairs in (
         ("python -c pass", "pass", args.pairs),
         ("python -c 'import vllm'", "import vllm", args.vllm_pairs),

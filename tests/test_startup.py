@@ -9,7 +9,7 @@ from conftest import REPO, run_python
 PROBE = (
     "import os, sys; "
     "print(os.environ.get('SHADOWED_RAN'), "
-    "'vllm_v4_patches._startup' in sys.modules, "
+    "'vllm_v4_patches' in sys.modules, "
     "any(type(f).__name__ == '_FirstVllmImport' for f in sys.meta_path), "
     "sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch', 'wrapt', 'packaging'}))"
 )

@@ -29,7 +29,7 @@ RECORD = PatchRecord(
     how=(
         "Wrap the method holding the tp_size 1 lookup (forward, or forward_native "
         "in the CustomOp releases 0.10.2-0.19.x): ids outside "
-        "[0, num_embeddings_per_partition) are looked up as id 0 and their output "
+        "[0, num_embeddings_per_partition) are clamped into the table and their output "
         "rows are zeroed, the semantics of the TP>1 masked path. Valid ids go "
         "through the unchanged stock lookup, so their rows are bit-identical. "
         "No host-device sync, and traceable by torch.compile."
@@ -175,10 +175,14 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
 
 
 def masked_lookup_at_tp1(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Zero rows for ids outside the table at tp_size 1; TP>1 is left to stock."""
+    """Zero rows for ids outside the table at tp_size 1; TP>1 is left to stock.
+
+    Three extra elementwise ops (clamp, compare, masked_fill) and no
+    host-device sync; valid ids reach the stock lookup unchanged.
+    """
     if instance.tp_size != 1:
         return wrapped(*args, **kwargs)
     input_ = args[0] if args else next(iter(kwargs.values()))
-    valid = (input_ >= 0) & (input_ < instance.num_embeddings_per_partition)
-    output = wrapped(input_.masked_fill(~valid, 0))
-    return output.masked_fill(~valid.unsqueeze(-1), 0)
+    in_table = input_.clamp(0, instance.num_embeddings_per_partition - 1)
+    output = wrapped(in_table)
+    return output.masked_fill((in_table != input_).unsqueeze(-1), 0)

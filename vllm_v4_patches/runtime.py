@@ -214,7 +214,7 @@ def install_hooks(runtime: Runtime) -> None:
 def activate() -> Runtime:
     """Set the overlay up in this process (idempotent)."""
     global _runtime
-    from vllm_v4_patches._startup import disarm
+    from vllm_v4_patches import disarm
 
     disarm()  # from here on the overlay's own lookups of `vllm` must not re-enter
     with _activation_lock:
@@ -292,9 +292,9 @@ def on_engine_start() -> None:
 
 def vllm_plugin() -> None:
     """The ``vllm.general_plugins`` entry point (pip installs, Ray workers)."""
-    from vllm_v4_patches._startup import arm
+    from vllm_v4_patches import bootstrap
 
-    arm()  # marks start-up as done so a later sitecustomize run is a no-op
+    bootstrap()  # marks start-up as done so a later sitecustomize run is a no-op
     on_engine_start()
 
 
