@@ -177,12 +177,16 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
 def masked_lookup_at_tp1(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Zero rows for ids outside the table at tp_size 1; TP>1 is left to stock.
 
-    Three extra elementwise ops (clamp, compare, masked_fill) and no
-    host-device sync; valid ids reach the stock lookup unchanged.
+    Three extra elementwise ops (clamp, compare, multiply) and no host-device
+    sync; valid ids reach the stock lookup unchanged, and multiplying their rows
+    by 1 keeps every bit. Multiplying rather than ``masked_fill``: on CPU,
+    masked_fill of a bf16 [tokens, hidden] tensor is up to 10x slower than the
+    lookup itself. In place, because the lookup's output is a fresh tensor and a
+    second [tokens, hidden] allocation costs as much as the lookup on CPU.
     """
     if instance.tp_size != 1:
         return wrapped(*args, **kwargs)
     input_ = args[0] if args else next(iter(kwargs.values()))
     in_table = input_.clamp(0, instance.num_embeddings_per_partition - 1)
     output = wrapped(in_table)
-    return output.masked_fill((in_table != input_).unsqueeze(-1), 0)
+    return output.mul_((in_table == input_).unsqueeze(-1))
