@@ -18,9 +18,16 @@ import pytest
 from vllm_v4_patches.errors import ProbeError, StrictModeError
 from vllm_v4_patches.patcher import KnownCopy, Patcher, RevertError, is_patched_by
 from vllm_v4_patches.registry import Patch, PatchRecord, ProbeResult, Target
-from vllm_v4_patches.runtime import build_runtime, install_hooks
+from vllm_v4_patches.runtime import Runtime, build_runtime, install_hooks
 
 _names = itertools.count()
+_matrix_note = Runtime._matrix_note
+
+
+@pytest.fixture(autouse=True)
+def no_matrix_notes(monkeypatch):
+    """Synthetic patches have no matrix cells; the two matrix tests restore the check."""
+    monkeypatch.setattr(Runtime, "_matrix_note", lambda self, patch_id, verdict: "")
 
 
 @pytest.fixture
@@ -260,3 +267,31 @@ def test_status_file_has_the_documented_schema(target_module, tmp_path, monkeypa
     runtime.revert("synthetic")  # later changes rewrite the same file
     document = json.loads(files[0].read_text())
     assert document["patches"]["synthetic"]["outcome"] == "disabled"
+
+
+def test_a_matrix_disagreement_is_warned_and_the_live_probe_decides(
+    target_module, monkeypatch, caplog
+):
+    from vllm_v4_patches import compat
+
+    monkeypatch.setattr(Runtime, "_matrix_note", _matrix_note)
+    row = {"patches": {"synthetic": {"outcome": "not-needed"}}}
+    monkeypatch.setattr(compat, "load_matrix", lambda: {"versions": {"0.32.0": row}})
+    monkeypatch.setenv("VLLM_V4_PATCHES_VLLM_VERSION", "0.32.0+cpu")
+    with caplog.at_level("WARNING", logger="vllm_v4_patches"):
+        runtime = activate(make_patch(target_module))
+        importlib.import_module(target_module)
+    result, detail = outcome(runtime)
+    assert result == "applied"
+    assert "the matrix says not-needed" in detail and "the source decided" in detail
+    assert "compatibility matrix says not-needed" in caplog.text
+
+
+def test_a_version_outside_the_matrix_is_said_in_the_detail(target_module, monkeypatch):
+    monkeypatch.setattr(Runtime, "_matrix_note", _matrix_note)
+    monkeypatch.setenv("VLLM_V4_PATCHES_VLLM_VERSION", "0.99.0")
+    runtime = activate(make_patch(target_module))
+    importlib.import_module(target_module)
+    result, detail = outcome(runtime)
+    assert result == "applied"
+    assert "vLLM 0.99.0 is not in the compatibility matrix; the probe decided" in detail

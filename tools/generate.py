@@ -14,7 +14,12 @@ import time
 DEFAULT_PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
 
 
-def generate(model: str, prompts: list[str], max_tokens: int, eager: bool) -> dict:
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+def generate(
+    model: str, prompts: list[str], max_tokens: int, eager: bool, ngram: bool = False
+) -> dict:
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -25,6 +30,7 @@ def generate(model: str, prompts: list[str], max_tokens: int, eager: bool) -> di
         enforce_eager=eager,
         seed=0,
         load_format="auto",
+        speculative_config=NGRAM if ngram else None,
     )
     ready = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -44,8 +50,9 @@ def main() -> None:
     parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--prompts", nargs="*", default=DEFAULT_PROMPTS)
+    parser.add_argument("--ngram", action="store_true", help="ngram speculative decoding")
     args = parser.parse_args()
-    result = generate(args.model, args.prompts, args.max_tokens, not args.no_eager)
+    result = generate(args.model, args.prompts, args.max_tokens, not args.no_eager, args.ngram)
     print("RESULT " + json.dumps(result))
 
 

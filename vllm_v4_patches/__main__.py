@@ -1,4 +1,4 @@
-"""``python -m vllm_v4_patches {path,status}``."""
+"""``python -m vllm_v4_patches {path,status,matrix}``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,20 @@ def _status(as_json: bool) -> int:
     return 1 if failed else 0
 
 
+def _matrix(as_json: bool) -> int:
+    from vllm_v4_patches import compat, versions
+
+    matrix = compat.load_matrix()
+    installed = compat.matrix_key(versions.detect().raw)
+    if as_json:
+        print(json.dumps({"installed": installed, **matrix}, indent=1, sort_keys=True))
+        return 0
+    print(compat.markdown_table(matrix, mark=installed))
+    if installed not in matrix["versions"]:
+        print(f"\ninstalled vLLM {installed or 'not found'} is not in the matrix")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vllm_v4_patches")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -53,10 +67,16 @@ def main(argv: list[str] | None = None) -> int:
         "status", help="import the patch targets here and report every patch's outcome"
     )
     status.add_argument("--json", action="store_true", help="the status-file schema")
+    matrix = commands.add_parser(
+        "matrix", help="the compatibility matrix, with the installed vLLM's row marked"
+    )
+    matrix.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "path":
         print(overlay_dir())
         return 0
+    if args.command == "matrix":
+        return _matrix(args.json)
     return _status(args.json)
 
 

@@ -79,6 +79,7 @@ class Runtime:
             return PatchStatus("failed", f"probe: {exc}")
         except Exception as exc:
             return PatchStatus("failed", f"probe crashed: {type(exc).__name__}: {exc}")
+        note += self._matrix_note(record.id, found.verdict)
         if found.verdict != "needed":
             return PatchStatus(found.verdict, found.detail + note)
         patcher = Patcher(record.id)
@@ -89,6 +90,32 @@ class Runtime:
             return PatchStatus("failed", f"apply: {type(exc).__name__}: {exc}")
         state.patcher = patcher
         return PatchStatus("applied", done + note)
+
+    def _matrix_note(self, patch_id: str, verdict: str) -> str:
+        """Cross-check the live probe with the committed matrix; the probe decides."""
+        from vllm_v4_patches import compat
+
+        key = compat.matrix_key(self.version.raw)
+        row = compat.load_matrix()["versions"].get(key) if key else None
+        if key is None:
+            return ""
+        if row is None:
+            return f" (vLLM {key} is not in the compatibility matrix; the probe decided)"
+        expected = row["patches"].get(patch_id)
+        if expected is None:
+            return f" (no matrix cell for vLLM {key}; the probe decided)"
+        if expected["outcome"] != verdict:
+            logger.warning(
+                "vllm_v4_patches: %s: the compatibility matrix says %s for vLLM %s but "
+                "this installation's source says %s (a patched or unusual build?); "
+                "following the source",
+                patch_id,
+                expected["outcome"],
+                key,
+                verdict,
+            )
+            return f" (the matrix says {expected['outcome']} for {key}; the source decided)"
+        return ""
 
     def resolve_pending(self) -> None:
         """Import the targets not imported yet, so every patch gets an outcome."""
