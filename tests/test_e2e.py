@@ -18,6 +18,7 @@ GENERATE = str(REPO / "tools" / "generate.py")
 PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
 MAX_TOKENS = 16
 VLLM_ROLES = {"front-end", "engine-core", "worker"}
+PATCHES = ("embedding", "cudagraph")
 
 
 def generate(model, *, pythonpath=(), env=None, eager=True, logs=False) -> dict:
@@ -77,7 +78,7 @@ def test_overlay_applies_in_every_vllm_process_and_output_is_unchanged(
     found = roles_and_outcomes(tmp_path)
     assert VLLM_ROLES <= set(found), found
     for role in VLLM_ROLES:
-        assert found[role] == {"embedding=applied"}, (role, found)
+        assert found[role] == {f"{p}=applied" for p in PATCHES}, (role, found)
     assert result["token_ids"] == stock_tokens == hf_reference
 
 
@@ -89,7 +90,8 @@ def test_global_switch_off_reports_disabled_everywhere(tiny_model, tmp_path, sto
     )
     found = roles_and_outcomes(tmp_path)
     assert VLLM_ROLES <= set(found)
-    assert all(outcomes == {"embedding=disabled"} for outcomes in found.values()), found
+    disabled = {f"{p}=disabled" for p in PATCHES}
+    assert all(outcomes == disabled for outcomes in found.values()), found
     assert result["token_ids"] == stock_tokens
 
 
@@ -112,5 +114,5 @@ def test_compiled_model_runs_the_patched_forward_through_torch_compile(
     )
     assert "Directly load AOT compilation" not in result["logs"]
     assert "saved AOT compiled function" in result["logs"]
-    assert roles_and_outcomes(status)["worker"] == {"embedding=applied"}
+    assert roles_and_outcomes(status)["worker"] == {f"{p}=applied" for p in PATCHES}
     assert result["token_ids"] == stock["token_ids"] == hf_reference

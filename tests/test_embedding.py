@@ -82,6 +82,14 @@ def test_patched_zeroes_invalid_rows_and_keeps_valid_rows_bit_identical(layer, p
     assert not out2[0, 1].any() and not out2[1, 0].any()
 
 
+def test_patched_method_called_through_the_class_behaves_the_same(layer, patched):
+    import torch
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    ids = torch.tensor([-1, 5])
+    assert torch.equal(VocabParallelEmbedding.forward(layer, ids), layer(ids))
+
+
 def test_valid_ids_give_the_same_bits_as_stock(layer):
     import torch
 

@@ -6,6 +6,7 @@ import ast
 from typing import TYPE_CHECKING, Any
 
 from vllm_v4_patches.errors import ProbeError
+from vllm_v4_patches.patcher import split_receiver
 from vllm_v4_patches.registry import PatchRecord, ProbeResult, Target
 from vllm_v4_patches.sources import SourceReader, dotted, find_class, find_method
 
@@ -184,9 +185,10 @@ def masked_lookup_at_tp1(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     lookup itself. In place, because the lookup's output is a fresh tensor and a
     second [tokens, hidden] allocation costs as much as the lookup on CPU.
     """
-    if instance.tp_size != 1:
+    layer, rest, receiver = split_receiver(instance, args)
+    if layer.tp_size != 1:
         return wrapped(*args, **kwargs)
-    input_ = args[0] if args else next(iter(kwargs.values()))
-    in_table = input_.clamp(0, instance.num_embeddings_per_partition - 1)
-    output = wrapped(in_table)
+    input_ = rest[0] if rest else next(iter(kwargs.values()))
+    in_table = input_.clamp(0, layer.num_embeddings_per_partition - 1)
+    output = wrapped(*receiver, in_table)
     return output.mul_((in_table == input_).unsqueeze(-1))

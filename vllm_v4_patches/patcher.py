@@ -43,6 +43,8 @@ class Patcher:
         self.patch_id = patch_id
         self.swaps: list[Swap] = []
         self.known_copies: list[tuple[KnownCopy, Any]] = []  # (copy, replacement)
+        self.armed: list[str] = []  # targets to wrap when their module is imported
+        self._reverted = False
 
     def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> Any:
         """Wrap ``owner.name``; ``wrapper(wrapped, instance, args, kwargs)``."""
@@ -55,6 +57,32 @@ class Patcher:
         setattr(replacement, _MARK, self.patch_id)
         self.swaps.append(Swap(owner, name, current, replacement))
         return replacement
+
+    def wrap_when_imported(
+        self, module_name: str, owner_path: str, name: str, wrapper: Callable[..., Any]
+    ) -> str:
+        """Wrap ``module.<owner_path>.<name>`` now if imported, else when it is.
+
+        For targets in modules a process may never import (or cannot, such as
+        vLLM's V2 runner without Triton): importing them just to patch would be
+        wrong. Returns "wrapped" or "armed".
+        """
+        import wrapt
+
+        def install(module: Any) -> None:
+            if self._reverted:
+                return
+            owner = module
+            for part in owner_path.split(".") if owner_path else ():
+                owner = getattr(owner, part)
+            self.wrap(owner, name, wrapper)
+
+        if module_name in sys.modules:
+            install(sys.modules[module_name])
+            return "wrapped"
+        self.armed.append(f"{module_name}:{owner_path}.{name}")
+        wrapt.register_post_import_hook(install, module_name)
+        return "armed"
 
     def rebind_copies(self, original: Any, replacement: Any, copies: tuple[KnownCopy, ...]) -> None:
         """Point known ``from x import y`` copies at the replacement, now or on import."""
@@ -112,10 +140,11 @@ class Patcher:
                 setattr(swap.owner, swap.name, swap.original)
         self.swaps.clear()
         self.known_copies.clear()
+        self._reverted = True  # hooks still pending must not install anything now
 
     @property
     def active(self) -> bool:
-        return bool(self.swaps)
+        return bool(self.swaps) or (bool(self.armed) and not self._reverted)
 
 
 def _label(swap: Swap) -> str:
@@ -128,3 +157,14 @@ def _label(swap: Swap) -> str:
 def is_patched_by(obj: Any, patch_id: str) -> bool:
     """Whether ``obj`` is a wrapper installed by the given patch."""
     return getattr(obj, _MARK, None) == patch_id
+
+
+def split_receiver(instance: Any, args: tuple) -> tuple[Any, tuple, tuple]:
+    """(self, the call's other arguments, the prefix to call ``wrapped`` with).
+
+    wrapt passes ``instance=None`` when a method is called through its class
+    (``Class.method(obj, ...)``), with the object as the first argument.
+    """
+    if instance is None and args:
+        return args[0], args[1:], args[:1]
+    return instance, args, ()
