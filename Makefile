@@ -28,7 +28,7 @@ $(VENV)/.ready:
 model: $(MODEL)/model.safetensors
 
 $(MODEL)/model.safetensors: $(VENV)/.ready tools/build_tiny_model.py
-	$(PY) tools/build_tiny_model.py $(MODEL)
+	$(PY) tools/build_tiny_model.py $(MODEL)  # also builds $(MODEL)-eagle
 
 lint: venv
 	$(PY) -m ruff check $(SOURCES)

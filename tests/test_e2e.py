@@ -18,7 +18,7 @@ GENERATE = str(REPO / "tools" / "generate.py")
 PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
 MAX_TOKENS = 16
 VLLM_ROLES = {"front-end", "engine-core", "worker"}
-PATCHES = ("embedding", "cudagraph")
+PATCHES = ("embedding", "async_sync", "cudagraph")
 
 
 def generate(model, *, pythonpath=(), env=None, eager=True, logs=False) -> dict:
@@ -116,3 +116,24 @@ def test_compiled_model_runs_the_patched_forward_through_torch_compile(
     assert "saved AOT compiled function" in result["logs"]
     assert roles_and_outcomes(status)["worker"] == {f"{p}=applied" for p in PATCHES}
     assert result["token_ids"] == stock["token_ids"] == hf_reference
+
+
+def test_async_scheduling_with_eagle_is_unchanged_by_the_overlay(tiny_model, hf_reference):
+    """Async scheduling forced on (the CPU platform turns it off) with EAGLE drafting:
+    the async_sync gates sit on the drafter's staging path. CUDA events do not exist
+    here, so this shows the patched path changes no result; test_async_sync.py checks
+    the gate's ordering."""
+    from build_tiny_model import build_eagle_draft
+
+    draft = build_eagle_draft(str(tiny_model), str(tiny_model) + "-eagle")
+    args = [GENERATE, str(tiny_model), "--max-tokens", str(MAX_TOKENS), "--prompts", *PROMPTS]
+    args += ["--eagle", draft, "--async-scheduling"]
+    runs = []
+    for path in ([], [REPO]):
+        result = run_python(args, pythonpath=path, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        [line] = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
+        runs.append(json.loads(line.removeprefix("RESULT ")))
+        if path:
+            assert "async_sync=applied" in result.stderr
+    assert all(run["async_scheduling"] for run in runs)
+    assert runs[0]["token_ids"] == runs[1]["token_ids"] == hf_reference

@@ -96,6 +96,40 @@ def save_random_llama(out_dir: str) -> None:
     )
 
 
+def build_eagle_draft(target_dir: str, out_dir: str) -> str:
+    """A 1-layer Llama EAGLE draft for the tiny target (random weights, seed 1)."""
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    partial = out_dir + ".partial"
+    os.makedirs(partial, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(os.path.join(target_dir, name), partial)
+    from safetensors.torch import save_file
+
+    config = dict(LLAMA_CONFIG, num_hidden_layers=1)
+    torch.manual_seed(1)
+    fields = {k: v for k, v in config.items() if k != "torch_dtype"}
+    weights = LlamaForCausalLM(LlamaConfig(**fields)).state_dict()
+    # EAGLE's layout: one decoder layer fed by fc([embedding, target hidden]); the
+    # LM head (and embedding) are shared with the target.
+    weights = {
+        k.removeprefix("model."): v
+        for k, v in weights.items()
+        if k.startswith("model.layers.") and "input_layernorm" not in k  # EAGLE has none
+    }
+    hidden = config["hidden_size"]
+    weights["fc.weight"] = torch.randn(hidden, 2 * hidden) * 0.02
+    save_file({k: v.contiguous() for k, v in weights.items()}, f"{partial}/model.safetensors")
+    _write_json(partial, "config.json", config)
+    os.replace(partial, out_dir)
+    return out_dir
+
+
 def _write_json(out_dir: str, name: str, data: dict) -> None:
     with open(os.path.join(out_dir, name), "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=1)
@@ -114,4 +148,6 @@ def build(out_dir: str) -> str:
 
 
 if __name__ == "__main__":
-    print(build(sys.argv[1] if len(sys.argv) > 1 else ".cache/models/tiny-llama"))
+    target = build(sys.argv[1] if len(sys.argv) > 1 else ".cache/models/tiny-llama")
+    print(target)
+    print(build_eagle_draft(target, target + "-eagle"))

@@ -17,11 +17,39 @@ DEFAULT_PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
+def force_async_scheduling() -> None:
+    """Keep async scheduling on: vLLM's CPU platform turns it off unconditionally."""
+    import wrapt
+
+    def keep_requested(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
+        vllm_config = args[0] if args else kwargs["vllm_config"]
+        requested = vllm_config.scheduler_config.async_scheduling
+        result = wrapped(*args, **kwargs)
+        if requested:
+            vllm_config.scheduler_config.async_scheduling = True
+        return result
+
+    wrapt.wrap_function_wrapper(
+        "vllm.platforms.cpu", "CpuPlatform.check_and_update_config", keep_requested
+    )
+
+
 def generate(
-    model: str, prompts: list[str], max_tokens: int, eager: bool, ngram: bool = False
+    model: str,
+    prompts: list[str],
+    max_tokens: int,
+    eager: bool,
+    ngram: bool = False,
+    eagle: str | None = None,
+    async_scheduling: bool = False,
 ) -> dict:
     from vllm import LLM, SamplingParams
 
+    if async_scheduling:
+        force_async_scheduling()
+    speculative = NGRAM if ngram else None
+    if eagle:
+        speculative = {"method": "eagle", "model": eagle, "num_speculative_tokens": 3}
     started = time.perf_counter()
     llm = LLM(
         model=model,
@@ -30,13 +58,16 @@ def generate(
         enforce_eager=eager,
         seed=0,
         load_format="auto",
-        speculative_config=NGRAM if ngram else None,
+        speculative_config=speculative,
+        async_scheduling=async_scheduling or None,
     )
     ready = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     done = time.perf_counter()
+    engine_config = getattr(llm.llm_engine, "vllm_config", None)
     return {
+        "async_scheduling": bool(engine_config and engine_config.scheduler_config.async_scheduling),
         "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
         "texts": [out.outputs[0].text for out in outputs],
         "init_s": ready - started,
@@ -51,8 +82,18 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--prompts", nargs="*", default=DEFAULT_PROMPTS)
     parser.add_argument("--ngram", action="store_true", help="ngram speculative decoding")
+    parser.add_argument("--eagle", help="EAGLE speculative decoding with this draft")
+    parser.add_argument("--async-scheduling", action="store_true", help="forced on, even on CPU")
     args = parser.parse_args()
-    result = generate(args.model, args.prompts, args.max_tokens, not args.no_eager, args.ngram)
+    result = generate(
+        args.model,
+        args.prompts,
+        args.max_tokens,
+        not args.no_eager,
+        args.ngram,
+        args.eagle,
+        args.async_scheduling,
+    )
     print("RESULT " + json.dumps(result))
 
 

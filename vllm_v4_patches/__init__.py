@@ -14,7 +14,11 @@ __version__ = "0.1.0"
 
 # The patch modules, in the order they are reported. Each one carries its own
 # record, probe and apply function; the core only ever sees this list.
-PATCH_MODULES: tuple = ("vllm_v4_patches.embedding", "vllm_v4_patches.cudagraph")
+PATCH_MODULES: tuple = (
+    "vllm_v4_patches.embedding",
+    "vllm_v4_patches.async_sync",
+    "vllm_v4_patches.cudagraph",
+)
 
 _armed = False
 

@@ -123,6 +123,8 @@ class Runtime:
             if state.status is not None:
                 continue
             for module in state.patch.record.modules:
+                if state.status is not None:
+                    break  # resolved by an earlier module; import no more than needed
                 try:
                     importlib.import_module(module)  # fires the hook, which resolves
                 except ModuleNotFoundError as exc:
