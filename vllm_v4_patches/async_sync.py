@@ -67,14 +67,7 @@ _GUARDS = {"synchronize", "Event", "prepare_inputs_event"}
 
 
 def probe(source: SourceReader) -> ProbeResult:
-    verdicts = {"V1": _v1_verdict(source), "V2": _v2_verdict(source)}
-    needed = [runner for runner, verdict in verdicts.items() if verdict == "needed"]
-    detail = "; ".join(f"{runner}: {verdict}" for runner, verdict in verdicts.items())
-    if needed:
-        return ProbeResult("needed", detail, variant="+".join(needed), facts=verdicts)
-    if "not-needed" in verdicts.values():
-        return ProbeResult("not-needed", detail, facts=verdicts)
-    return ProbeResult("absent", detail, facts=verdicts)
+    return ProbeResult.per_runner({"V1": _v1_verdict(source), "V2": _v2_verdict(source)})
 
 
 def _method(source: SourceReader, module: str, cls_name: str, name: str) -> ast.AST | None:

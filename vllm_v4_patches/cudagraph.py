@@ -70,17 +70,12 @@ logger = logging.getLogger("vllm_v4_patches")
 
 
 def probe(source: SourceReader) -> ProbeResult:
-    verdicts = {
-        "V1": _runner_verdict(source, V1_MODULE, V1_METHOD),
-        "V2": _runner_verdict(source, V2_MODULE, V2_METHOD),
-    }
-    needed = [runner for runner, verdict in verdicts.items() if verdict == "needed"]
-    detail = "; ".join(f"{runner}: {verdict}" for runner, verdict in verdicts.items())
-    if needed:
-        return ProbeResult("needed", detail, variant="+".join(needed), facts=verdicts)
-    if "not-needed" in verdicts.values():
-        return ProbeResult("not-needed", detail, facts=verdicts)
-    return ProbeResult("absent", detail, facts=verdicts)
+    return ProbeResult.per_runner(
+        {
+            "V1": _runner_verdict(source, V1_MODULE, V1_METHOD),
+            "V2": _runner_verdict(source, V2_MODULE, V2_METHOD),
+        }
+    )
 
 
 def _runner_verdict(source: SourceReader, module: str, method_name: str) -> str:

@@ -66,6 +66,18 @@ class ProbeResult:
     variant: str | None = None  # which target (or runner) the verdict is about
     facts: dict[str, str] = field(default_factory=dict)  # handed to apply()
 
+    @classmethod
+    def per_runner(cls, verdicts: dict[str, Verdict]) -> ProbeResult:
+        """One result from each runner's verdict: needed where any runner needs it
+        (variant "V1+V2" names them), else not-needed where any has the target."""
+        needed = [runner for runner, verdict in verdicts.items() if verdict == "needed"]
+        detail = "; ".join(f"{runner}: {verdict}" for runner, verdict in verdicts.items())
+        if needed:
+            return cls("needed", detail, variant="+".join(needed), facts=dict(verdicts))
+        if "not-needed" in verdicts.values():
+            return cls("not-needed", detail, facts=dict(verdicts))
+        return cls("absent", detail, facts=dict(verdicts))
+
 
 @dataclass(frozen=True)
 class Patch:
