@@ -39,7 +39,7 @@ def main() -> None:
             patches = ", ".join(f"{k}={v['outcome']}" for k, v in doc["patches"].items())
             print(f"  {doc['pid']:>7}  {doc['role']:<12}  {doc['vllm_version']:<8}  {patches}")
         print("\nSummary lines from the processes' logs:")
-        for log_line in run.stderr.splitlines():
+        for log_line in (run.stdout + run.stderr).splitlines():
             if "vllm_v4_patches [" in log_line:
                 print("  " + log_line.strip())
 
