@@ -96,9 +96,9 @@ class Runtime:
         from vllm_v4_patches import compat
 
         key = compat.matrix_key(self.version.raw)
-        row = compat.load_matrix()["versions"].get(key) if key else None
         if key is None:
-            return ""
+            return ""  # unknown version: _decide already says the probe decided
+        row = compat.load_matrix()["versions"].get(key)
         if row is None:
             return f" (vLLM {key} is not in the compatibility matrix; the probe decided)"
         expected = row["patches"].get(patch_id)
