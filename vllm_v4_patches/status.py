@@ -21,14 +21,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 Outcome = Literal["applied", "disabled", "not-needed", "absent", "out-of-range", "failed"]
-OUTCOMES: tuple[str, ...] = (
-    "applied",
-    "disabled",
-    "not-needed",
-    "absent",
-    "out-of-range",
-    "failed",
-)
 
 logger = logging.getLogger("vllm_v4_patches")
 
