@@ -18,6 +18,7 @@ PATCH_MODULES: tuple = (
     "vllm_v4_patches.embedding",
     "vllm_v4_patches.async_sync",
     "vllm_v4_patches.cudagraph",
+    "vllm_v4_patches.dp_dummy",
 )
 
 _armed = False
