@@ -58,14 +58,36 @@ class Patcher:
         self.swaps.append(Swap(owner, name, current, replacement))
         return replacement
 
+    def wrap_property(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> Any:
+        """Wrap the getter of property ``owner.name``; same wrapper signature as ``wrap``."""
+        import wrapt
+
+        current = vars(owner)[name]
+        if getattr(current, _MARK, None) == self.patch_id:
+            return current
+        if not isinstance(current, property):
+            raise TypeError(f"{owner.__qualname__}.{name} is not a property")
+        getter = wrapt.FunctionWrapper(current.fget, wrapper)
+        replacement = _MarkedProperty(getter, current.fset, current.fdel, current.__doc__)
+        replacement.patch_id = self.patch_id
+        setattr(owner, name, replacement)
+        self.swaps.append(Swap(owner, name, current, replacement))
+        return replacement
+
     def wrap_when_imported(
-        self, module_name: str, owner_path: str, name: str, wrapper: Callable[..., Any]
+        self,
+        module_name: str,
+        owner_path: str,
+        name: str,
+        wrapper: Callable[..., Any],
+        *,
+        getter: bool = False,
     ) -> str:
         """Wrap ``module.<owner_path>.<name>`` now if imported, else when it is.
 
         For targets in modules a process may never import (or cannot, such as
         vLLM's V2 runner without Triton): importing them just to patch would be
-        wrong. Returns "wrapped" or "armed".
+        wrong. ``getter=True`` wraps a property's getter. Returns "wrapped" or "armed".
         """
         import wrapt
 
@@ -75,7 +97,7 @@ class Patcher:
             owner = module
             for part in owner_path.split(".") if owner_path else ():
                 owner = getattr(owner, part)
-            self.wrap(owner, name, wrapper)
+            (self.wrap_property if getter else self.wrap)(owner, name, wrapper)
 
         if module_name in sys.modules:
             install(sys.modules[module_name])
@@ -145,6 +167,17 @@ class Patcher:
     @property
     def active(self) -> bool:
         return bool(self.swaps) or (bool(self.armed) and not self._reverted)
+
+
+class _MarkedProperty(property):
+    """A property that can carry the mark of the patch that installed it."""
+
+    patch_id: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name == _MARK:
+            return self.patch_id
+        raise AttributeError(name)
 
 
 def _label(swap: Swap) -> str:
