@@ -1,0 +1,469 @@
+"""DSpark drafting, verification and verify-length scheduling, in plain PyTorch.
+
+DSpark drafts a block of N tokens from one parallel backbone pass (``base_logits``)
+and then walks the slots left to right, adding a Markov-head bias that depends on the
+token drafted in the previous slot. Because every slot is sampled from an exact
+softmax given the tokens actually drafted before it, the block distribution
+factorises autoregressively and standard token-wise rejection sampling stays
+lossless, *provided the verifier receives exactly those per-slot distributions*.
+That is why :func:`draft_block` returns the corrected, temperature-scaled
+probabilities it sampled from: they are what a V1 drafter's
+``take_last_draft_probs()`` must hand to vLLM's rejection sampler.
+
+A confidence head predicts, per slot, the probability that the slot is accepted
+given that all earlier ones were; the cumulative product (the survival) feeds the
+paper's greedy verify-length scheduler (:func:`choose_verify_lengths`).
+
+Package rule: nothing here imports torch (or vLLM) at module import time, so the
+overlay stays import-light; every function imports torch itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+MarkovKind = Literal["vanilla", "gated", "rnn"]
+MARKOV_KINDS: tuple[str, ...] = ("vanilla", "gated", "rnn")
+
+# A profiled steps-per-second curve: a callable, or a table indexed by the number of
+# tokens in the verify batch (``table[B]``).
+StepsPerSecond = Callable[[int], float] | Sequence[float] | Mapping[int, float]
+
+
+@dataclass(frozen=True)
+class MarkovHead:
+    """Parameters of the Markov head (the sequential stage).
+
+    ``w1`` is the ``Embedding(V, r)`` weight and ``w2`` the ``Linear(r, V)`` weight,
+    both ``[V, r]`` as stored in checkpoints. ``gate_*`` is ``gate_proj: Linear(H + r,
+    r)`` (gated variant); ``joint_*`` is ``joint_proj: Linear(2r + H, 3r)`` (rnn
+    variant), whose output splits into gate, candidate and output, in that order.
+    """
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    kind: MarkovKind = "vanilla"
+    gate_weight: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None
+    joint_weight: torch.Tensor | None = None
+    joint_bias: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # Fail at construction, not deep inside the drafting loop.
+        if self.kind not in MARKOV_KINDS:
+            raise ValueError(f"unknown Markov head kind {self.kind!r}; expected {MARKOV_KINDS}")
+        if self.w1.shape != self.w2.shape:
+            raise ValueError(f"w1 {tuple(self.w1.shape)} and w2 {tuple(self.w2.shape)} differ")
+        if self.kind == "gated" and self.gate_weight is None:
+            raise ValueError("a gated Markov head needs gate_weight")
+        if self.kind == "rnn" and self.joint_weight is None:
+            raise ValueError("an rnn Markov head needs joint_weight")
+
+    @property
+    def rank(self) -> int:
+        return int(self.w1.shape[1])
+
+
+@dataclass(frozen=True)
+class ConfidenceHead:
+    """``c_k = sigmoid(weight . [h_k ; W1[prev_k]] + bias)``.
+
+    ``weight`` is ``[H + r]`` or ``[1, H + r]`` (the DSV4 checkpoint layout, no bias);
+    a weight of length ``H`` reads the hidden state only (DeepSpec's
+    ``confidence_head_with_markov = False``).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | float | None = None
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """One drafted block.
+
+    ``probs`` is the exact per-slot distribution each token was sampled from (``None``
+    for greedy drafting, where the verifier must treat the draft as one-hot);
+    ``confidence`` is ``None`` when no confidence head is given.
+    """
+
+    tokens: torch.Tensor  # [B, N] int64
+    probs: torch.Tensor | None  # [B, N, V]
+    confidence: torch.Tensor | None  # [B, N]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Output of :func:`rejection_sample_reference`.
+
+    ``tokens`` holds the emitted tokens left-aligned, padded with -1;
+    ``num_emitted = num_accepted + 1`` (a correction or a bonus token always follows).
+    """
+
+    tokens: torch.Tensor  # [B, N + 1] int64
+    num_accepted: torch.Tensor  # [B] int64
+    num_emitted: torch.Tensor  # [B] int64
+
+
+# --------------------------------------------------------------------------- Markov head
+
+
+def markov_embed(head: MarkovHead, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """``W1[prev]``: the low-rank code of the previous token, ``[B, r]``."""
+    return head.w1[prev_tokens]
+
+
+def project_to_vocab(head: MarkovHead, features: torch.Tensor) -> torch.Tensor:
+    """``W2(features)``: rank-r features to a vocabulary bias, ``[B, V]``."""
+    import torch
+
+    return torch.nn.functional.linear(features, head.w2)
+
+
+def vanilla_bias(head: MarkovHead, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """``W2(W1[prev])``: a bigram correction, independent of the backbone state."""
+    return project_to_vocab(head, markov_embed(head, prev_tokens))
+
+
+def gated_bias(head: MarkovHead, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``W2(sigmoid(gate_proj([h_k ; W1[prev]])) * W1[prev])``.
+
+    The gate lets the backbone state decide how much of the bigram code to apply.
+    """
+    import torch
+
+    prev_code = markov_embed(head, prev_tokens)
+    gate_input = torch.cat([hidden, prev_code], dim=-1)
+    gate = torch.sigmoid(torch.nn.functional.linear(gate_input, head.gate_weight, head.gate_bias))
+    return project_to_vocab(head, gate * prev_code)
+
+
+def initial_rnn_state(head: MarkovHead, hidden: torch.Tensor) -> torch.Tensor:
+    """``s_0 = 0``, shaped ``[B, r]`` like the batch of ``hidden`` ``[B, ..., H]``."""
+    import torch
+
+    return torch.zeros(hidden.shape[0], head.rank, dtype=head.w1.dtype, device=head.w1.device)
+
+
+def rnn_bias(
+    head: MarkovHead,
+    prev_tokens: torch.Tensor,
+    hidden: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One recurrent step; returns ``(bias, s_k)``.
+
+    ``[g, c, o] = joint_proj([s_{k-1} ; W1[prev] ; h_k])``;
+    ``s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c)``; bias ``W2(tanh(o))``.
+    The state carries information from every earlier drafted token, not just the last.
+    """
+    import torch
+
+    joint_input = torch.cat([state, markov_embed(head, prev_tokens), hidden], dim=-1)
+    joint = torch.nn.functional.linear(joint_input, head.joint_weight, head.joint_bias)
+    gate_logit, candidate, output = joint.split(head.rank, dim=-1)
+    keep = torch.sigmoid(gate_logit)
+    new_state = keep * state + (1.0 - keep) * torch.tanh(candidate)
+    return project_to_vocab(head, torch.tanh(output)), new_state
+
+
+def markov_bias(
+    head: MarkovHead,
+    prev_tokens: torch.Tensor,
+    hidden: torch.Tensor,
+    state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Bias for one slot of any variant; returns ``(bias [B, V], next state)``.
+
+    Only the rnn variant has a state; pass ``None`` at slot 0 to start from zero.
+    """
+    if head.kind == "vanilla":
+        return vanilla_bias(head, prev_tokens), None
+    if head.kind == "gated":
+        return gated_bias(head, prev_tokens, hidden), None
+    if state is None:
+        state = initial_rnn_state(head, hidden)
+    return rnn_bias(head, prev_tokens, hidden, state)
+
+
+# ------------------------------------------------------------------------ confidence head
+
+
+def slot_confidence(
+    confidence_head: ConfidenceHead, hidden: torch.Tensor, prev_code: torch.Tensor
+) -> torch.Tensor:
+    """Per-slot conditional acceptance ``c_k``, ``[B]``."""
+    import torch
+
+    weight = confidence_head.weight.reshape(-1)
+    if weight.shape[0] == hidden.shape[-1]:
+        features = hidden  # hidden-only head: no Markov code in the input
+    else:
+        features = torch.cat([hidden, prev_code], dim=-1)
+    logit = features @ weight
+    if confidence_head.bias is not None:
+        logit = logit + torch.as_tensor(confidence_head.bias, dtype=logit.dtype).reshape(())
+    return torch.sigmoid(logit)
+
+
+def survival(confidence: torch.Tensor) -> torch.Tensor:
+    """``a_k = prod_{i<=k} c_i``: the probability that slots ``0..k`` are all accepted."""
+    import torch
+
+    return torch.cumprod(confidence, dim=-1)
+
+
+# ------------------------------------------------------------------------------ drafting
+
+
+def exponential_race(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample ``argmax_v p_v / E_v`` with ``E_v = -log u_v`` i.i.d. Exp(1).
+
+    The winner of an exponential race is distributed exactly as ``p / sum(p)``, so the
+    rows need not be normalised and zero-probability tokens can never win.
+    """
+    import torch
+
+    tiny = torch.finfo(uniforms.dtype).tiny
+    # u == 0 would give E = inf and a score of 0 for every token; clamping keeps the
+    # race well defined without changing the law (u is continuous).
+    exponentials = -torch.log(uniforms.clamp_min(tiny))
+    return (probs / exponentials).argmax(dim=-1)
+
+
+def tempered_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``softmax(logits / T)`` per row; rows with ``T <= 0`` become one-hot argmax.
+
+    A zero temperature means greedy: the argmax is drawn with probability one, so the
+    one-hot row is the distribution that token was actually drawn from.
+    """
+    import torch
+
+    greedy_rows = temperature <= 0
+    if not bool(greedy_rows.any()):
+        return torch.softmax(logits / temperature.unsqueeze(-1).to(logits.dtype), dim=-1)
+    safe_temperature = torch.where(greedy_rows, torch.ones_like(temperature), temperature)
+    probs = torch.softmax(logits / safe_temperature.unsqueeze(-1).to(logits.dtype), dim=-1)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1])
+    return torch.where(greedy_rows.unsqueeze(-1), one_hot.to(probs.dtype), probs)
+
+
+def sample_slot(
+    corrected_logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    uniforms: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pick one slot's token from its Markov-corrected logits ``[B, V]``.
+
+    Returns ``(token [B], probs [B, V] or None)``: greedy (argmax, no probs) when
+    ``temperature`` is None, else an exponential-race sample from
+    ``softmax(corrected / T)`` together with that exact distribution.
+    """
+    if temperature is None:
+        return corrected_logits.argmax(dim=-1), None
+    probs = tempered_probs(corrected_logits, temperature)
+    return exponential_race(probs, uniforms), probs
+
+
+def draft_block(
+    base_logits: torch.Tensor,
+    anchor: torch.Tensor,
+    hidden: torch.Tensor,
+    head: MarkovHead,
+    confidence_head: ConfidenceHead | None = None,
+    temperature: torch.Tensor | None = None,
+    *,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+) -> DraftBlock:
+    """Draft N tokens left to right from the backbone's ``base_logits [B, N, V]``.
+
+    Slot k's previous token is ``anchor [B]`` for k = 0 and the token drafted at k - 1
+    otherwise; the Markov bias of that token is added to the base logits. With
+    ``temperature=None`` the draft is greedy (argmax, ``probs=None``). Otherwise each
+    slot is sampled from ``softmax(corrected / T)`` (``T`` is ``[B]``) and exactly that
+    distribution is returned in ``probs``. Sampling noise is ``noise`` (uniforms
+    ``[B, N, V]``) when given, else drawn from ``generator``; keep it independent of
+    the verifier's noise, or the residual sample is correlated with the draft.
+    """
+    import torch
+
+    batch, num_slots, vocab = base_logits.shape
+    prev_tokens = anchor.to(torch.long)
+    state = None
+    tokens = torch.empty(batch, num_slots, dtype=torch.long, device=base_logits.device)
+    probs = None if temperature is None else torch.empty_like(base_logits)
+    confidence = None
+    if confidence_head is not None:
+        confidence = torch.empty(
+            batch, num_slots, dtype=base_logits.dtype, device=base_logits.device
+        )
+    if temperature is not None and noise is None:
+        noise = torch.rand(batch, num_slots, vocab, generator=generator, dtype=base_logits.dtype)
+    for slot in range(num_slots):
+        slot_hidden = hidden[:, slot]
+        bias, state = markov_bias(head, prev_tokens, slot_hidden, state)
+        if confidence is not None:
+            code = markov_embed(head, prev_tokens)
+            confidence[:, slot] = slot_confidence(confidence_head, slot_hidden, code)
+        slot_noise = None if noise is None else noise[:, slot]
+        token, slot_probs = sample_slot(base_logits[:, slot] + bias, temperature, slot_noise)
+        if probs is not None:
+            probs[:, slot] = slot_probs
+        tokens[:, slot] = token
+        prev_tokens = token  # chaining: the next slot conditions on what was drafted
+    return DraftBlock(tokens=tokens, probs=probs, confidence=confidence)
+
+
+# ---------------------------------------------------------------------- verify scheduling
+
+
+def _steps_per_second_lookup(steps_per_second: StepsPerSecond) -> Callable[[int], float]:
+    """Normalise a callable / table into ``B -> SPS(B)``."""
+    if callable(steps_per_second):
+        return lambda batch_tokens: float(steps_per_second(batch_tokens))
+    table = steps_per_second
+    return lambda batch_tokens: float(table[batch_tokens])
+
+
+def _as_survival_matrix(survival_scores: object) -> list[list[float]]:
+    """A ``[R, N]`` nested list from a tensor, an array or nested sequences."""
+    rows = survival_scores.tolist() if hasattr(survival_scores, "tolist") else survival_scores
+    matrix = [[float(value) for value in row] for row in rows]
+    for request, row in enumerate(matrix):
+        # A cumulative product of values in [0, 1] never increases along the block;
+        # admission order relies on that to respect per-request prefixes.
+        if any(later > earlier for earlier, later in zip(row[:-1], row[1:], strict=True)):
+            raise ValueError(f"survival of request {request} increases along the block: {row}")
+    return matrix
+
+
+def choose_verify_lengths(
+    survival_scores: object,
+    steps_per_second: StepsPerSecond,
+    *,
+    early_stop: bool = True,
+) -> list[int]:
+    """Paper Algorithm 1: how many drafts of each request to verify, ``[R]``.
+
+    Slots ``(r, j)`` are admitted in descending survival (ties: lower slot first, then
+    lower request), each request keeping a prefix ``l_r``. With ``B = sum(1 + l_r)``
+    verify tokens and ``tau = sum(1 + sum_{j < l_r} a_{r,j})`` expected emitted tokens,
+    the objective is ``tau * SPS(B)``; admission stops at the first slot that does not
+    strictly improve it. The stop makes the decision for a slot independent of that
+    slot's own token (non-anticipating), which keeps verification lossless.
+
+    ``early_stop=False`` instead takes the best prefix of the whole admission order
+    (a retrospective global search). It is NOT lossless (paper Appendix A) and exists
+    only as a negative control for tests.
+    """
+    sps = _steps_per_second_lookup(steps_per_second)
+    matrix = _as_survival_matrix(survival_scores)
+    num_requests = len(matrix)
+    order = sorted(
+        ((request, slot) for request, row in enumerate(matrix) for slot in range(len(row))),
+        key=lambda entry: (-matrix[entry[0]][entry[1]], entry[1], entry[0]),
+    )
+    lengths = [0] * num_requests
+    batch_tokens = num_requests  # every request verifies at least its bonus position
+    expected_tokens = float(num_requests)
+    best_objective = expected_tokens * sps(batch_tokens)
+    best_lengths = list(lengths)
+    for request, slot in order:
+        candidate_objective = (expected_tokens + matrix[request][slot]) * sps(batch_tokens + 1)
+        if early_stop and candidate_objective <= best_objective:
+            break
+        batch_tokens += 1
+        expected_tokens += matrix[request][slot]
+        lengths[request] = slot + 1
+        if candidate_objective > best_objective:
+            best_objective = candidate_objective
+            best_lengths = list(lengths)
+    return best_lengths
+
+
+# ---------------------------------------------------------------------------- verifying
+
+
+def _residual_distributions(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    verify_lengths: torch.Tensor,
+) -> torch.Tensor:
+    """Where to sample the token emitted at each slot if the chain stops there.
+
+    Slot k < l_r: ``max(0, p_t - p_d)`` (after a rejection); slot k = l_r: plain
+    ``p_t`` (the bonus after all verified drafts were accepted). Unnormalised.
+    """
+    import torch
+
+    batch, num_slots = draft_tokens.shape
+    drafted_probs = draft_probs
+    if drafted_probs is None:
+        # A greedy draft is a point mass on the drafted token.
+        drafted_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1])
+        drafted_probs = drafted_probs.to(target_probs.dtype)
+    residual = (target_probs[:, :num_slots] - drafted_probs).clamp_min(0.0)
+    # p_t <= p_d everywhere only if p_t == p_d, where rejection cannot happen; guard
+    # against round-off leaving an all-zero row anyway.
+    empty_rows = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty_rows, target_probs[:, :num_slots], residual)
+    residual = torch.cat([residual, target_probs[:, num_slots:]], dim=1)
+    slot_index = torch.arange(num_slots + 1, device=draft_tokens.device)
+    is_bonus = (slot_index.unsqueeze(0) >= verify_lengths.unsqueeze(1)).unsqueeze(-1)
+    return torch.where(is_bonus, target_probs, residual)
+
+
+def rejection_sample_reference(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    accept_uniforms: torch.Tensor,
+    residual_uniforms: torch.Tensor,
+    verify_lengths: torch.Tensor | None = None,
+) -> VerifyResult:
+    """Token-wise speculative sampling (Leviathan et al. / Chen et al.), batched.
+
+    ``target_probs [B, N + 1, V]``: slot k is the target distribution given the
+    context and drafts ``< k`` (slot N feeds the bonus). Draft k is accepted when
+    ``u_k * p_d(x_k) < p_t(x_k)`` (probability ``min(1, p_t / p_d)``); at the first
+    rejection the emitted token is drawn from ``norm(max(0, p_t - p_d))``; if every
+    verified draft is accepted a bonus is drawn from ``p_t`` at slot ``l_r``.
+    ``draft_probs=None`` means greedy drafts (one-hot ``p_d``). ``verify_lengths``
+    ``[B]`` (default N) verifies only the first ``l_r`` drafts, as a scheduler would.
+    ``accept_uniforms [B, N]`` and ``residual_uniforms [B, N + 1, V]`` must come from
+    streams independent of each other and of the draft sampling noise.
+    """
+    import torch
+
+    batch, num_slots = draft_tokens.shape
+    draft_tokens = draft_tokens.to(torch.long)
+    if verify_lengths is None:
+        verify_lengths = torch.full((batch,), num_slots, dtype=torch.long)
+    verify_lengths = verify_lengths.to(torch.long)
+    token_index = draft_tokens.unsqueeze(-1)
+    target_of_draft = target_probs[:, :num_slots].gather(-1, token_index).squeeze(-1)
+    if draft_probs is None:
+        draft_of_draft = torch.ones_like(target_of_draft)
+    else:
+        draft_of_draft = draft_probs.gather(-1, token_index).squeeze(-1)
+    accepted = (draft_of_draft > 0) & (accept_uniforms * draft_of_draft < target_of_draft)
+    slot_index = torch.arange(num_slots, device=draft_tokens.device)
+    accepted &= slot_index.unsqueeze(0) < verify_lengths.unsqueeze(1)
+    # Only the unbroken prefix of acceptances counts: the first rejection ends the block.
+    num_accepted = accepted.to(torch.long).cumprod(dim=-1).sum(dim=-1)
+
+    emit_from = _residual_distributions(target_probs, draft_tokens, draft_probs, verify_lengths)
+    final_candidates = exponential_race(emit_from, residual_uniforms)  # [B, N + 1]
+    final_token = final_candidates.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+
+    tokens = torch.full((batch, num_slots + 1), -1, dtype=torch.long)
+    keep = slot_index.unsqueeze(0) < num_accepted.unsqueeze(1)
+    tokens[:, :num_slots] = torch.where(keep, draft_tokens, tokens[:, :num_slots])
+    tokens.scatter_(1, num_accepted.unsqueeze(1), final_token.unsqueeze(1))
+    return VerifyResult(tokens=tokens, num_accepted=num_accepted, num_emitted=num_accepted + 1)
