@@ -1,0 +1,124 @@
+"""CPU checks of the DSpark Markov/confidence heads' PyTorch path (the GPU path's oracle).
+
+The Triton path is checked against this same reference on the GPU by
+benchmarks/dspark_markov_gpu.py; here the reference itself is checked against a
+float64 loop written straight from dspark.md sections 2 and 3.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_v4_patches.dspark import markov_kernel
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB, RANK, HIDDEN = 50, 8, 16
+
+
+def make_inputs(batch: int, slots: int, dtype: torch.dtype, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    return {
+        "base_logits": normal(batch, slots, VOCAB, scale=2.0),
+        "anchor": torch.randint(0, VOCAB, (batch,), generator=gen),
+        "markov_w1": normal(VOCAB, RANK),
+        "markov_w2": normal(VOCAB, RANK, scale=0.5),
+        "hidden": normal(batch, slots, HIDDEN),
+        "confidence_w": normal(HIDDEN + RANK, scale=0.3),
+    }
+
+
+def float64_loop(inputs: dict, temperature=None, gumbel_noise=None):
+    """One row and one slot at a time, in float64: the definition, not an optimisation."""
+    base = inputs["base_logits"].double()
+    w1, w2 = inputs["markov_w1"].double(), inputs["markov_w2"].double()
+    hidden, weight = inputs["hidden"].double(), inputs["confidence_w"].double()
+    batch, slots, _ = base.shape
+    tokens = torch.zeros(batch, slots, dtype=torch.int64)
+    confidence = torch.zeros(batch, slots, dtype=torch.float64)
+    for row in range(batch):
+        prev = int(inputs["anchor"][row])
+        for slot in range(slots):
+            embedding = w1[prev]
+            logits = base[row, slot] + w2 @ embedding
+            if gumbel_noise is not None:
+                logits = logits + float(temperature[row]) * gumbel_noise[row, slot].double()
+            tokens[row, slot] = int(torch.argmax(logits))
+            score = weight @ torch.cat([hidden[row, slot], embedding])
+            confidence[row, slot] = 1.0 / (1.0 + torch.exp(-score))
+            prev = int(tokens[row, slot])
+    return tokens, confidence
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", [1, 3, 5])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_reference_matches_float64_loop(batch: int, slots: int, dtype: torch.dtype):
+    inputs = make_inputs(batch, slots, dtype, seed=batch * 10 + slots)
+    tokens, confidence = markov_kernel.greedy_markov_draft(**inputs)
+    want_tokens, want_confidence = float64_loop(inputs)
+    assert tokens.dtype == torch.int64 and tokens.shape == (batch, slots)
+    assert confidence.dtype == torch.float32 and confidence.shape == (batch, slots)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(confidence.double(), want_confidence, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("slots", [1, 3, 5])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_sampled_reference_matches_float64_loop(batch: int, slots: int):
+    inputs = make_inputs(batch, slots, torch.float32, seed=100 + batch * 10 + slots)
+    gen = torch.Generator().manual_seed(7)
+    uniform = torch.rand(batch, slots, VOCAB, generator=gen).clamp(1e-10, 1 - 1e-7)
+    noise = -torch.log(-torch.log(uniform))
+    temperature = torch.rand(batch, generator=gen) + 0.5
+    temperature[0] = 0.0  # a greedy row among sampled ones
+    tokens, confidence = markov_kernel.sampled_markov_draft(
+        **inputs, temperature=temperature, gumbel_noise=noise
+    )
+    want_tokens, want_confidence = float64_loop(inputs, temperature, noise)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(confidence.double(), want_confidence, rtol=0, atol=1e-5)
+    greedy_row = markov_kernel.greedy_markov_draft(**inputs)[0][0]
+    assert torch.equal(tokens[0], greedy_row)
+
+
+def test_ties_break_toward_lowest_index():
+    """The Triton path promises torch.argmax's tie rule; the reference defines it."""
+    inputs = make_inputs(2, 3, torch.float32, seed=0)
+    inputs["markov_w2"] = torch.zeros(VOCAB, RANK)
+    inputs["base_logits"] = torch.zeros(2, 3, VOCAB)
+    inputs["base_logits"][:, :, [7, 3, 41]] = 1.0
+    tokens, _ = markov_kernel.greedy_markov_draft(**inputs)
+    assert torch.equal(tokens, torch.full((2, 3), 3))
+
+
+def test_dispatcher_picks_torch_on_cpu():
+    inputs = make_inputs(2, 3, torch.float32, seed=1)
+    assert markov_kernel.pick_backend(inputs["base_logits"]) == "torch"
+    got = markov_kernel.greedy_markov_draft(**inputs)
+    want = markov_kernel.greedy_markov_draft_reference(**inputs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_import_loads_no_heavy_module():
+    """The overlay is imported at every interpreter start: torch must load lazily."""
+    code = (
+        "import sys, vllm_v4_patches.dspark.markov_kernel; "
+        "print(sorted(m for m in ('torch', 'triton', 'vllm') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.strip() == "[]"
