@@ -42,6 +42,11 @@ def generate(
     ngram: bool = False,
     eagle: str | None = None,
     async_scheduling: bool = False,
+    dspark: str | None = None,
+    spec_tokens: int = 4,
+    temperature: float = 0.0,
+    seed: int = 0,
+    draft_sample_method: str | None = None,
 ) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -50,6 +55,10 @@ def generate(
     speculative = NGRAM if ngram else None
     if eagle:
         speculative = {"method": "eagle", "model": eagle, "num_speculative_tokens": 3}
+    if dspark:
+        speculative = {"method": "dspark", "model": dspark, "num_speculative_tokens": spec_tokens}
+        if draft_sample_method:
+            speculative["draft_sample_method"] = draft_sample_method
     started = time.perf_counter()
     llm = LLM(
         model=model,
@@ -60,9 +69,17 @@ def generate(
         load_format="auto",
         speculative_config=speculative,
         async_scheduling=async_scheduling or None,
+        disable_log_stats=False,
     )
     ready = time.perf_counter()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # one seed per request, so a repeated prompt gives independent samples that
+    # are the same draws in every run
+    params = [
+        SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed + i
+        )
+        for i in range(len(prompts))
+    ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     done = time.perf_counter()
     engine_config = getattr(llm.llm_engine, "vllm_config", None)
@@ -72,7 +89,17 @@ def generate(
         "texts": [out.outputs[0].text for out in outputs],
         "init_s": ready - started,
         "generate_s": done - ready,
+        "spec_decode": spec_decode_counters(llm),
     }
+
+
+def spec_decode_counters(llm) -> dict:  # noqa: ANN001
+    """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens)."""
+    counters = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode_num_") and hasattr(metric, "value"):
+            counters[metric.name.removeprefix("vllm:spec_decode_")] = metric.value
+    return counters
 
 
 def main() -> None:
@@ -84,15 +111,26 @@ def main() -> None:
     parser.add_argument("--ngram", action="store_true", help="ngram speculative decoding")
     parser.add_argument("--eagle", help="EAGLE speculative decoding with this draft")
     parser.add_argument("--async-scheduling", action="store_true", help="forced on, even on CPU")
+    parser.add_argument("--dspark", help="DSpark speculative decoding with this draft")
+    parser.add_argument("--spec-tokens", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"])
+    parser.add_argument("--repeat", type=int, default=1, help="each prompt this many times")
     args = parser.parse_args()
     result = generate(
         args.model,
-        args.prompts,
+        args.prompts * args.repeat,
         args.max_tokens,
         not args.no_eager,
         args.ngram,
         args.eagle,
         args.async_scheduling,
+        args.dspark,
+        args.spec_tokens,
+        args.temperature,
+        args.seed,
+        args.draft_sample_method,
     )
     print("RESULT " + json.dumps(result))
 

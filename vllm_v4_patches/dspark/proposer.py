@@ -1,0 +1,103 @@
+"""The V1 DSpark drafter, built on vLLM's V1 DFlash drafter.
+
+DSpark reuses DFlash's machinery (context K/V projected from the target's tapped
+hidden states and written for accepted rows only, a non-causal query block), with
+three differences handled here:
+
+* the query block is ``[anchor, mask × (N-1)]``: the anchor (the bonus token) is
+  the first prediction slot, so every one of the N query positions is sampled.
+  That is DFlash's ``[bonus, mask × M]`` layout with ``M = N - 1``;
+* the N base logits are corrected left to right by the Markov head, each slot
+  given the token drafted before it (the anchor for slot 0);
+* in probabilistic mode the corrected distribution each draft was sampled from is
+  what ``take_last_draft_probs()`` hands the rejection sampler, so standard
+  rejection sampling stays lossless.
+
+The class is built on first use (``proposer_class()``) because it subclasses a
+vLLM class and the package must not import vLLM at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+
+@contextlib.contextmanager
+def presented_as(speculative_config: Any, method: str) -> Iterator[None]:
+    """Show vLLM's DFlash constructor the method it asserts on, then restore."""
+    original = speculative_config.method
+    object.__setattr__(speculative_config, "method", method)
+    try:
+        yield
+    finally:
+        object.__setattr__(speculative_config, "method", original)
+
+
+@functools.cache
+def proposer_class() -> type:
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    class DSparkV1Proposer(DFlashProposer):
+        """DFlash's V1 drafter with DSpark's anchor slot, Markov head and confidence."""
+
+        def __init__(self, vllm_config: Any, device: Any, runner: Any = None) -> None:
+            with presented_as(vllm_config.speculative_config, "dflash"):
+                super().__init__(vllm_config, device, runner)
+            # The base class keys its DFlash code paths (aux-state combination,
+            # single-tensor model output) on self.method; DSpark shares them all.
+            self.method = "dflash"
+            self.draft_method = "dspark"
+            self.last_confidence: Any = None
+            self._anchors: Any = None
+
+        def set_inputs_first_pass(
+            self,
+            target_token_ids: Any,
+            next_token_ids: Any,
+            target_positions: Any,
+            target_hidden_states: Any,
+            token_indices_to_sample: Any,
+            cad: Any,
+            num_rejected_tokens_gpu: Any,
+        ) -> tuple[int, Any, Any]:
+            import torch
+
+            num_slots = self.num_speculative_tokens
+            self._anchors = next_token_ids
+            # DFlash lays out [bonus, mask x M]; with M = N - 1 that is DSpark's block.
+            self.num_speculative_tokens = num_slots - 1
+            try:
+                num_query, _, block_cad = super().set_inputs_first_pass(
+                    target_token_ids,
+                    next_token_ids,
+                    target_positions,
+                    target_hidden_states,
+                    token_indices_to_sample,
+                    cad,
+                    num_rejected_tokens_gpu,
+                )
+            finally:
+                self.num_speculative_tokens = num_slots
+            every_slot = torch.arange(num_query, dtype=torch.int32, device=self.device)
+            return num_query, every_slot, block_cad
+
+        def _sample_draft_tokens(
+            self, hidden_states: Any, sampling_metadata: Any
+        ) -> tuple[Any, Any]:
+            from vllm_v4_patches.dspark import sampling
+
+            block = sampling.draft_with_markov_head(
+                self.model,
+                hidden_states,
+                self._anchors,
+                self.num_speculative_tokens,
+                sampling.temperatures_for(self, sampling_metadata),
+            )
+            self.last_confidence = block.confidence
+            probs = None if block.probs is None else block.probs.flatten(0, 1)
+            return block.tokens.flatten(), probs
+
+    return DSparkV1Proposer
