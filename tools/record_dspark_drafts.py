@@ -1,0 +1,92 @@
+"""Record what the overlay's V1 DSpark drafter computes inside a real engine.
+
+Runs ``vllm.LLM`` (through the overlay, which must be on PYTHONPATH) with a DSpark
+draft, and in the worker records, at every drafting step and for every request,
+the request's prompt, the anchor token and its position, and the draft's base
+logits for the N slots. Prints ``RESULT {json}`` with the records, so
+a test can recompute each block from scratch on the committed prefix.
+
+    python tools/record_dspark_drafts.py TARGET DRAFT [--max-tokens N] [--prompts ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+DEFAULT_PROMPTS = ["def main(", "class Parser:"]
+
+
+def install_recorder(worker) -> None:  # noqa: ANN001
+    """Runs in the worker: wrap this drafter instance's sampling stage."""
+    runner = worker.model_runner
+    drafter = runner.drafter
+    sample = drafter._sample_draft_tokens
+    records: list[dict] = []
+
+    def recording(hidden_states, sampling_metadata):  # noqa: ANN001, ANN202
+        slots = drafter.num_speculative_tokens
+        base = drafter.model.compute_draft_logits(hidden_states).float().cpu()
+        batch = runner.input_batch
+        for row in range(base.shape[0] // slots):
+            # token_ids_cpu lags behind the drafts accepted this step, so the
+            # committed prefix is taken from the final output at the anchor's position
+            prompt_length = int(batch.num_prompt_tokens[row])
+            records.append(
+                {
+                    "prompt": batch.token_ids_cpu[row, :prompt_length].tolist(),
+                    "anchor_position": int(drafter.positions[row * slots]),
+                    "anchor": int(drafter._anchors[row]),
+                    "base_logits": base[row * slots : (row + 1) * slots].tolist(),
+                }
+            )
+        return sample(hidden_states, sampling_metadata)
+
+    drafter._sample_draft_tokens = recording
+    worker.dspark_records = records
+
+
+def collect_records(worker) -> list:  # noqa: ANN001
+    return worker.dspark_records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("target")
+    parser.add_argument("draft")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--spec-tokens", type=int, default=4)
+    parser.add_argument("--prompts", nargs="*", default=DEFAULT_PROMPTS)
+    parser.add_argument("--prompt-ids", help="JSON list of token-id lists, instead of --prompts")
+    options = parser.parse_args()
+    # collective_rpc ships the recorder to the worker by value
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=options.target,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        seed=0,
+        speculative_config={
+            "method": "dspark",
+            "model": options.draft,
+            "num_speculative_tokens": options.spec_tokens,
+        },
+    )
+    llm.collective_rpc(install_recorder)
+    params = SamplingParams(temperature=0.0, max_tokens=options.max_tokens, ignore_eos=True)
+    prompts = options.prompts
+    if options.prompt_ids:
+        prompts = [{"prompt_token_ids": ids} for ids in json.loads(options.prompt_ids)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    (records,) = llm.collective_rpc(collect_records)
+    sequences = [list(out.prompt_token_ids) + list(out.outputs[0].token_ids) for out in outputs]
+    result = {"sequences": sequences, "records": records}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
