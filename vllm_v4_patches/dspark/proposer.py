@@ -53,6 +53,27 @@ def proposer_class() -> type:
             self.last_confidence: Any = None
             self._anchors: Any = None
 
+        def load_model(self, target_model: Any) -> None:
+            from vllm_v4_patches.dspark.context_norm import fix_context_k_norm
+
+            super().load_model(target_model)
+            fix_context_k_norm(self.model)
+
+        def _init_parallel_drafting_params(self) -> None:
+            try:
+                super()._init_parallel_drafting_params()
+            except ValueError:
+                # before 0.29 vLLM looks for the mask token only where DFlash and
+                # PARD keep it; DSpark drafts name it mask_token_id (DeepSpec) or
+                # dspark_noise_token_id (DeepSeek-V4)
+                draft = self.draft_model_config.hf_config
+                token = getattr(draft, "mask_token_id", None)
+                if token is None:
+                    token = getattr(draft, "dspark_noise_token_id", None)
+                if token is None:
+                    raise
+                self.parallel_drafting_token_id = token
+
         def set_inputs_first_pass(
             self,
             target_token_ids: Any,
