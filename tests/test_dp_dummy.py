@@ -141,4 +141,3 @@ def test_v2_set_dummy_context_with_one_token_gives_a_decode_shape():
     assert batch.seq_lens.tolist() == [4, 4]
     assert batch.num_computed_tokens_np.tolist() == [1, 1]
     assert batch.positions.tolist() == [1, 2, 3, 1, 2, 3]
-
