@@ -68,6 +68,22 @@ def run_python(
     return result
 
 
+def hf_greedy(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens from HF transformers on the same weights (independent reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=max_tokens)
+        reference.append(out[0, ids.shape[1] :].tolist())
+    return reference
+
+
 def read_status_files(directory: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))]
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import REPO, read_status_files, run_python
+from conftest import REPO, hf_greedy, read_status_files, run_python
 
 pytestmark = pytest.mark.e2e
 
@@ -44,19 +44,8 @@ def no_speculation(dspark_pair) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_reference(dspark_pair) -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     target, _ = dspark_pair
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    reference = []
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(ids, do_sample=False, max_new_tokens=MAX_TOKENS)
-        reference.append(out[0, ids.shape[1] :].tolist())
-    return reference
+    return hf_greedy(target, PROMPTS, MAX_TOKENS)
 
 
 def mean_acceptance_length(counters: dict) -> float:

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import REPO, read_status_files, run_python
+from conftest import REPO, hf_greedy, read_status_files, run_python
 
 pytestmark = pytest.mark.e2e
 
@@ -37,18 +37,7 @@ def generate(model, *, pythonpath=(), env=None, eager=True, logs=False) -> dict:
 @pytest.fixture(scope="session")
 def hf_reference(tiny_model) -> list[list[int]]:
     """Greedy tokens from HF transformers on the same weights (independent reference)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    reference = []
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(ids, do_sample=False, max_new_tokens=MAX_TOKENS)
-        reference.append(out[0, ids.shape[1] :].tolist())
-    return reference
+    return hf_greedy(tiny_model, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def generate(model: str, *extra: str, env: dict[str, str]) -> dict:
+    """tools/generate.py's result, with the processes' log lines under "logs"."""
     command = [sys.executable, str(REPO / "tools" / "generate.py"), model, *extra]
     print("$ PYTHONPATH=" + str(REPO) + " " + " ".join(command[1:]), flush=True)
     run = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -24,7 +25,7 @@ def generate(model: str, *extra: str, env: dict[str, str]) -> dict:
         sys.stderr.write(run.stderr[-6000:])
         raise SystemExit(run.returncode)
     [line] = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
-    return json.loads(line.removeprefix("RESULT "))
+    return {**json.loads(line.removeprefix("RESULT ")), "logs": run.stdout + run.stderr}
 
 
 def dspark_demo(target: str, draft: str) -> None:
@@ -47,14 +48,7 @@ def main() -> None:
     model = sys.argv[1] if len(sys.argv) > 1 else str(REPO / ".cache/models/tiny-llama")
     with tempfile.TemporaryDirectory() as status_dir:
         env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_V4_PATCHES_STATUS_DIR=status_dir)
-        command = [sys.executable, str(REPO / "tools" / "generate.py"), model]
-        print("$ PYTHONPATH=" + str(REPO) + " " + " ".join(command[1:]), flush=True)
-        run = subprocess.run(command, env=env, capture_output=True, text=True)
-        if run.returncode != 0:
-            sys.stderr.write(run.stderr[-6000:])
-            raise SystemExit(run.returncode)
-        [line] = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
-        result = json.loads(line.removeprefix("RESULT "))
+        result = generate(model, env=env)
         print("\nGenerated (greedy, 16 tokens each):")
         for text in result["texts"]:
             print("  " + repr(text))
@@ -66,7 +60,7 @@ def main() -> None:
             patches = ", ".join(f"{k}={v['outcome']}" for k, v in doc["patches"].items())
             print(f"  {doc['pid']:>7}  {doc['role']:<12}  {doc['vllm_version']:<8}  {patches}")
         print("\nSummary lines from the processes' logs:")
-        for log_line in (run.stdout + run.stderr).splitlines():
+        for log_line in result["logs"].splitlines():
             if "vllm_v4_patches [" in log_line:
                 print("  " + log_line.strip())
     if len(sys.argv) > 3:
