@@ -106,6 +106,17 @@ def test_probabilistic_drafting_at_temperature_one(dspark_pair):
     assert len(set(first)) > 3  # really sampled, not greedy
 
 
+def test_confidence_scheduled_verification_cuts_drafts_losslessly(dspark_pair, no_speculation):
+    """With a steep fixed cost per verified token, Algorithm 1 verifies only the
+    prefixes worth it: fewer draft tokens than N per draft, same output."""
+    target, draft = dspark_pair
+    scheduled = {"VLLM_V4_DSPARK_VERIFY": "confidence", "VLLM_V4_DSPARK_VERIFY_COST": "1,1"}
+    result = generate(target, "--dspark", str(draft), env=scheduled)
+    assert result["token_ids"] == no_speculation["token_ids"]
+    counters = result["spec_decode"]
+    assert 0 < counters["num_draft_tokens"] < 4 * counters["num_drafts"], counters
+
+
 def record_drafts(target, draft, *extra: str) -> dict:  # noqa: ANN001
     script = str(REPO / "tools" / "record_dspark_drafts.py")
     result = run_python(
@@ -165,6 +176,10 @@ def test_served_draft_logits_equal_a_from_scratch_recompute(dspark_pair):
         for a, b in zip(lengths, lengths[1:], strict=False)
     ]
     assert any(step > 1 for step in steps), "no block followed accepted drafts"
+
+    # a builder sees the batch's request ids, in row order, through the API
+    assert served["published_ids"]
+    assert all(seen == expected and expected for seen, expected in served["published_ids"])
 
     fresh = record_drafts(
         target_dir, draft_dir, "--max-tokens", "2", "--prompt-ids", json.dumps(prefixes)

@@ -45,10 +45,33 @@ def install_recorder(worker) -> None:  # noqa: ANN001
 
     drafter._sample_draft_tokens = recording
     worker.dspark_records = records
+    worker.published_ids = _capture_published_request_ids(runner)
 
 
-def collect_records(worker) -> list:  # noqa: ANN001
-    return worker.dspark_records
+def _capture_published_request_ids(runner) -> list:  # noqa: ANN001
+    """What ``vllm_v4_patches.request_ids.current()`` says inside the target's real
+    attention builders, next to the batch's own ids: a builder's view of the API."""
+    from vllm_v4_patches import request_ids
+
+    seen: list = []
+    for groups in runner.attn_groups:
+        for group in groups:
+            builder = group.get_metadata_builder()
+            build = builder.build
+
+            def build_and_look(
+                common_prefix_len, cam, *args, build=build, **kwargs
+            ):  # noqa: ANN001, ANN202
+                expected = list(runner.input_batch.req_ids[: cam.num_reqs])
+                seen.append([list(request_ids.current()[: cam.num_reqs]), expected])
+                return build(common_prefix_len, cam, *args, **kwargs)
+
+            builder.build = build_and_look
+    return seen
+
+
+def collect_records(worker) -> dict:  # noqa: ANN001
+    return {"records": worker.dspark_records, "published_ids": worker.published_ids}
 
 
 def main() -> None:
@@ -82,9 +105,9 @@ def main() -> None:
     if options.prompt_ids:
         prompts = [{"prompt_token_ids": ids} for ids in json.loads(options.prompt_ids)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    (records,) = llm.collective_rpc(collect_records)
+    (collected,) = llm.collective_rpc(collect_records)
     sequences = [list(out.prompt_token_ids) + list(out.outputs[0].token_ids) for out in outputs]
-    result = {"sequences": sequences, "records": records}
+    result = {"sequences": sequences, **collected}
     print("RESULT " + json.dumps(result), flush=True)
 
 

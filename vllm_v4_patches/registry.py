@@ -52,6 +52,7 @@ class PatchRecord:
     targets: tuple[Target, ...]
     vllm_versions: str  # a packaging specifier, e.g. ">=0.10.0"
     default_enabled: bool = True
+    settings: tuple[str, ...] = ()  # further environment variables the patch reads
 
     @property
     def modules(self) -> tuple[str, ...]:

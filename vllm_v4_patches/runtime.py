@@ -303,7 +303,10 @@ def _declare_settings_to_vllm(module: object) -> None:
     runtime = _runtime
     if not isinstance(known, dict) or runtime is None:
         return
-    for name in toggles.all_settings(runtime.states):
+    patch_settings = [
+        name for state in runtime.states.values() for name in state.patch.record.settings
+    ]
+    for name in toggles.all_settings(runtime.states, patch_settings):
         known.setdefault(name, lambda name=name: os.environ.get(name))
     known[toggles.GLOBAL_SWITCH] = runtime.compile_fingerprint
 

