@@ -103,8 +103,6 @@ def proposer_class() -> type:
             cad: Any,
             num_rejected_tokens_gpu: Any,
         ) -> tuple[int, Any, Any]:
-            import torch
-
             num_slots = self.num_speculative_tokens
             self._anchors = next_token_ids
             # DFlash lays out [bonus, mask x M]; with M = N - 1 that is DSpark's block.
@@ -121,8 +119,8 @@ def proposer_class() -> type:
                 )
             finally:
                 self.num_speculative_tokens = num_slots
-            every_slot = torch.arange(num_query, dtype=torch.int32, device=self.device)
-            return num_query, every_slot, block_cad
+            # every query position is a prediction slot; DFlash keeps a device arange
+            return num_query, self.arange[:num_query], block_cad
 
         def _sample_draft_tokens(
             self, hidden_states: Any, sampling_metadata: Any
