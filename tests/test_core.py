@@ -7,6 +7,7 @@ in test_embedding.py and the end-to-end tests).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import json
@@ -295,3 +296,75 @@ def test_a_version_outside_the_matrix_is_said_in_the_detail(target_module, monke
     result, detail = outcome(runtime)
     assert result == "applied"
     assert "vLLM 0.99.0 is not in the compatibility matrix; the probe decided" in detail
+
+
+def test_a_target_finished_inside_an_import_cycle_waits_for_the_other_target(tmp_path, monkeypatch):
+    """``outer`` imports ``inner`` before defining its class: ``inner``'s import
+    completes while ``outer`` is half built. Applying then would meet a module
+    without ``Greeter``; the patch must apply once ``outer`` completes."""
+    suffix = next(_names)
+    outer, inner = f"cycle_outer_{suffix}", f"cycle_inner_{suffix}"
+    (tmp_path / f"{inner}.py").write_text("VALUE = 1\n")
+    (tmp_path / f"{outer}.py").write_text(textwrap.dedent(f"""
+            import {inner}
+
+            class Greeter:
+                def hello(self, who):
+                    return "hello " + who
+            """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+
+    def apply(patcher: Patcher, found: ProbeResult) -> str:
+        return patcher.wrap_when_imported(
+            outer, "Greeter", "hello", lambda w, i, a, k: w(*a, **k).upper()
+        )
+
+    patch = make_patch(outer, apply=apply)
+    targets = (Target(inner, "VALUE"), Target(outer, "Greeter.hello"))
+    patch = Patch(
+        record=dataclasses.replace(patch.record, targets=targets),
+        probe=patch.probe,
+        apply=patch.apply,
+    )
+    runtime = activate(patch)
+    try:
+        module = importlib.import_module(outer)
+        assert outcome(runtime) == ("applied", "wrapped")
+        assert module.Greeter().hello("you") == "HELLO YOU"
+    finally:
+        sys.modules.pop(outer, None)
+        sys.modules.pop(inner, None)
+
+
+def test_a_registration_made_on_import_is_undone_on_revert(target_module):
+    registry: dict[str, str] = {}
+
+    def register(module) -> object:
+        registry["arch"] = module.__name__
+        return lambda: registry.pop("arch")
+
+    patcher = Patcher("synthetic")
+    assert patcher.register_when_imported(target_module, "registry[arch]", register) == "armed"
+    assert registry == {} and patcher.active
+    importlib.import_module(target_module)
+    assert registry == {"arch": target_module}
+    patcher.revert()
+    assert registry == {} and not patcher.active
+
+
+def test_installed_source_reads_a_submodule_without_importing_its_package(tmp_path, monkeypatch):
+    """Probes run while vLLM is still importing; locating ``pkg.sub`` through the
+    import system would execute ``pkg/__init__.py`` (here: raise)."""
+    from vllm_v4_patches.sources import InstalledSource
+
+    package = f"half_built_{next(_names)}"
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("raise ImportError('mid-import')\n")
+    (tmp_path / package / "sub.py").write_text("MARK = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    source = InstalledSource()
+    assert source.read(f"{package}.sub") == "MARK = 1\n"
+    assert source.read(f"{package}.missing") is None
+    assert package not in sys.modules

@@ -44,6 +44,7 @@ class Patcher:
         self.swaps: list[Swap] = []
         self.known_copies: list[tuple[KnownCopy, Any]] = []  # (copy, replacement)
         self.armed: list[str] = []  # targets to wrap when their module is imported
+        self.undos: list[tuple[str, Callable[[], None]]] = []  # (what, how to undo it)
         self._reverted = False
 
     def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> Any:
@@ -106,6 +107,25 @@ class Patcher:
         wrapt.register_post_import_hook(install, module_name)
         return "armed"
 
+    def register_when_imported(
+        self, module_name: str, what: str, register: Callable[[Any], Callable[[], None]]
+    ) -> str:
+        """Run ``register(module)`` now if imported, else when it is; the callable it
+        returns undoes the registration on revert. For additions made through a
+        target's own API (a registry entry) rather than by swapping an attribute."""
+        import wrapt
+
+        def install(module: Any) -> None:
+            if not self._reverted:
+                self.undos.append((what, register(module)))
+
+        if module_name in sys.modules:
+            install(sys.modules[module_name])
+            return "registered"
+        self.armed.append(f"{module_name}:{what}")
+        wrapt.register_post_import_hook(install, module_name)
+        return "armed"
+
     def rebind_copies(self, original: Any, replacement: Any, copies: tuple[KnownCopy, ...]) -> None:
         """Point known ``from x import y`` copies at the replacement, now or on import."""
         import wrapt
@@ -160,13 +180,16 @@ class Patcher:
                 delattr(swap.owner, swap.name)
             else:
                 setattr(swap.owner, swap.name, swap.original)
+        for _, undo in reversed(self.undos):
+            undo()
         self.swaps.clear()
+        self.undos.clear()
         self.known_copies.clear()
         self._reverted = True  # hooks still pending must not install anything now
 
     @property
     def active(self) -> bool:
-        return bool(self.swaps) or (bool(self.armed) and not self._reverted)
+        return bool(self.swaps or self.undos) or (bool(self.armed) and not self._reverted)
 
 
 class _MarkedProperty(property):

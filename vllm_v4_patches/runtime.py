@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -261,6 +262,12 @@ def activate() -> Runtime:
 
 def _hook_for(runtime: Runtime, patch_id: str):
     def on_target_imported(module: object) -> None:
+        others = set(runtime.states[patch_id].patch.record.modules) - {module.__name__}
+        if any(_still_initializing(name) for name in others):
+            # An import cycle finished this target inside another target's import;
+            # applying now would meet a half-built module. That module's own hook
+            # resolves the patch when it completes.
+            return
         try:
             runtime.resolve(patch_id)
         except StrictModeError:
@@ -269,6 +276,11 @@ def _hook_for(runtime: Runtime, patch_id: str):
             logger.warning("vllm_v4_patches: resolving %s: %r", patch_id, exc)
 
     return on_target_imported
+
+
+def _still_initializing(module_name: str) -> bool:
+    spec = getattr(sys.modules.get(module_name), "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
 
 
 def _instrument_plugin_loader(module: object) -> None:

@@ -17,17 +17,35 @@ class SourceReader(Protocol):
 
 
 class InstalledSource:
-    """The vLLM that this interpreter would import (files located by find_spec)."""
+    """The vLLM that this interpreter would import.
+
+    Only the top-level package is located through the import system (locating a
+    submodule with find_spec imports its parent packages, which fails while vLLM
+    itself is still importing); submodules are files under it.
+    """
 
     def read(self, module: str) -> str | None:
+        top, _, rest = module.partition(".")
         try:
-            spec = util.find_spec(module)
+            spec = util.find_spec(top)
         except (ImportError, ValueError):
             return None
-        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        if spec is None:
             return None
-        with open(spec.origin, encoding="utf-8") as handle:
-            return handle.read()
+        if not rest:
+            return _read_python(spec.origin)
+        for root in spec.submodule_search_locations or ():
+            found = TreeSource(os.path.dirname(root)).read(module)
+            if found is not None:
+                return found
+        return None
+
+
+def _read_python(path: str | None) -> str | None:
+    if not path or not path.endswith(".py"):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
 
 
 class TreeSource:
