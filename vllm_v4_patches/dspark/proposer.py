@@ -138,4 +138,10 @@ def proposer_class() -> type:
             probs = None if block.probs is None else block.probs.flatten(0, 1)
             return block.tokens.flatten(), probs
 
+        def _greedy_sample(self, hidden_states: Any) -> Any:
+            # vLLM 0.20-0.21 draft parallel blocks through this directly (there is
+            # no _sample_draft_tokens yet); later releases only reach it from the
+            # base _sample_draft_tokens, which this class replaces
+            return self._sample_draft_tokens(hidden_states, None)[0]
+
     return DSparkV1Proposer

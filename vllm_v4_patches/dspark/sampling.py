@@ -18,12 +18,15 @@ if TYPE_CHECKING:
 
 
 def temperatures_for(proposer: Any, sampling_metadata: Any) -> torch.Tensor | None:
-    """Per-request temperatures, or None when every draft is greedy.
+    """Per-request temperatures, or None when every draft is greedy (always so
+    before vLLM 0.22, which drafts greedily and passes no sampling metadata).
 
     Greedy requests carry temperature 0 in vLLM's sampling metadata; their rows
     stay greedy (a one-hot distribution) inside a probabilistic batch.
     """
-    if not getattr(proposer, "_enable_probabilistic_draft_probs", False):
+    if sampling_metadata is None or not getattr(
+        proposer, "_enable_probabilistic_draft_probs", False
+    ):
         return None
     if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
         return None
