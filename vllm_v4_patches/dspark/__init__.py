@@ -270,11 +270,7 @@ def _check_stand_in_request(kwargs: dict) -> None:
 
 
 def _mark_dspark_draft(hf_config: Any) -> None:
-    """Mark the draft as DSpark and give vLLM's DFlash code the keys it reads.
-
-    DeepSpec drafts keep ``target_layer_ids`` and ``mask_token_id`` at the top
-    level; vLLM's DFlash draft and drafter read them from ``dflash_config``.
-    """
+    """Check the draft is one the overlay's class runs, and mark it as DSpark."""
     from vllm_v4_patches.dspark.draft_model import SUPPORTED_MARKOV_HEADS
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
@@ -289,6 +285,19 @@ def _mark_dspark_draft(hf_config: Any) -> None:
             f"markov_head_type={head_type!r} is not supported on this vLLM; accepted: "
             f"{', '.join(SUPPORTED_MARKOV_HEADS)}"
         )
+    expose_keys_to_dflash(hf_config)
+    setattr(hf_config, DRAFT_METHOD_MARK, "dspark")
+
+
+def expose_keys_to_dflash(hf_config: Any) -> None:
+    """Give vLLM's DFlash code the DSpark keys it looks for in ``dflash_config``.
+
+    DeepSpec drafts keep ``target_layer_ids`` and ``mask_token_id`` at the top level
+    (DeepSeek-V4 drafts as ``dspark_*``); the DFlash Qwen3 draft before 0.27 sizes
+    its context projection from ``dflash_config`` only (else from its own layer
+    count: a 2-layer draft with 3 taps fails to load on 0.25-0.26), and the V1
+    drafter before 0.29 looks for the mask token there. Keys already set win.
+    """
     dflash_config = dict(getattr(hf_config, "dflash_config", None) or {})
     for key in ("target_layer_ids", "mask_token_id"):
         value = getattr(hf_config, key, None)
@@ -297,7 +306,6 @@ def _mark_dspark_draft(hf_config: Any) -> None:
         if value is not None:
             dflash_config.setdefault(key, value)
     hf_config.dflash_config = dflash_config
-    setattr(hf_config, DRAFT_METHOD_MARK, "dspark")
 
 
 def register_draft_class(registry_module: Any) -> Any:
@@ -341,7 +349,12 @@ def accept_dspark_on_v1(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
 
 
 def validate_draft_checkpoint(vllm_config: Any) -> None:
-    validate_draft_paths(vllm_config.speculative_config.model, vllm_config.model_config.model)
+    """Check a dspark config taking the V1 route; expose its keys to vLLM's DFlash."""
+    speculative = vllm_config.speculative_config
+    validate_draft_paths(speculative.model, vllm_config.model_config.model)
+    draft = getattr(speculative, "draft_model_config", None)
+    if draft is not None:
+        expose_keys_to_dflash(draft.hf_config)
 
 
 def validate_draft_paths(draft: str | None, target: str | None) -> None:
