@@ -90,22 +90,14 @@ class Patcher:
         vLLM's V2 runner without Triton): importing them just to patch would be
         wrong. ``getter=True`` wraps a property's getter. Returns "wrapped" or "armed".
         """
-        import wrapt
 
         def install(module: Any) -> None:
-            if self._reverted:
-                return
             owner = module
             for part in owner_path.split(".") if owner_path else ():
                 owner = getattr(owner, part)
             (self.wrap_property if getter else self.wrap)(owner, name, wrapper)
 
-        if module_name in sys.modules:
-            install(sys.modules[module_name])
-            return "wrapped"
-        self.armed.append(f"{module_name}:{owner_path}.{name}")
-        wrapt.register_post_import_hook(install, module_name)
-        return "armed"
+        return self._when_imported(module_name, f"{owner_path}.{name}", install, "wrapped")
 
     def register_when_imported(
         self, module_name: str, what: str, register: Callable[[Any], Callable[[], None]]
@@ -113,17 +105,26 @@ class Patcher:
         """Run ``register(module)`` now if imported, else when it is; the callable it
         returns undoes the registration on revert. For additions made through a
         target's own API (a registry entry) rather than by swapping an attribute."""
-        import wrapt
 
         def install(module: Any) -> None:
+            self.undos.append((what, register(module)))
+
+        return self._when_imported(module_name, what, install, "registered")
+
+    def _when_imported(
+        self, module_name: str, what: str, install: Callable[[Any], None], done: str
+    ) -> str:
+        import wrapt
+
+        def install_unless_reverted(module: Any) -> None:
             if not self._reverted:
-                self.undos.append((what, register(module)))
+                install(module)
 
         if module_name in sys.modules:
-            install(sys.modules[module_name])
-            return "registered"
+            install_unless_reverted(sys.modules[module_name])
+            return done
         self.armed.append(f"{module_name}:{what}")
-        wrapt.register_post_import_hook(install, module_name)
+        wrapt.register_post_import_hook(install_unless_reverted, module_name)
         return "armed"
 
     def rebind_copies(self, original: Any, replacement: Any, copies: tuple[KnownCopy, ...]) -> None:
