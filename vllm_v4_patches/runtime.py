@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_v4_patches import status as status_mod
@@ -83,7 +84,7 @@ class Runtime:
         note += self._matrix_note(record.id, found.verdict)
         if found.verdict != "needed":
             return PatchStatus(found.verdict, found.detail + note)
-        patcher = Patcher(record.id)
+        patcher = Patcher(record.id, restate=self._restater(record.id))
         try:
             done = state.patch.apply(patcher, found)
         except Exception as exc:
@@ -91,6 +92,27 @@ class Runtime:
             return PatchStatus("failed", f"apply: {type(exc).__name__}: {exc}")
         state.patcher = patcher
         return PatchStatus("applied", done + note)
+
+    def _restater(self, patch_id: str) -> Callable[[str, str], None]:
+        def restate(outcome: str, detail: str) -> None:
+            self.restate(patch_id, outcome, detail)
+
+        return restate
+
+    def restate(self, patch_id: str, outcome: str, detail: str) -> None:
+        """Record a patch's restated outcome, and say so loudly once per change."""
+        if outcome not in status_mod.OUTCOMES:
+            raise ValueError(f"outcome {outcome!r} is not one of {', '.join(status_mod.OUTCOMES)}")
+        with self.lock:
+            state = self.states[patch_id]
+            before = state.status
+            if before is not None and (before.outcome, before.detail) == (outcome, detail):
+                return
+            state.status = PatchStatus(outcome, detail)
+            self._changed()
+        was = before.outcome if before is not None else "pending"
+        level = logging.WARNING if outcome == "failed" else logging.INFO
+        status_mod.log_line(level, f"{patch_id}: {was} -> {outcome} ({detail})")
 
     def _matrix_note(self, patch_id: str, verdict: str) -> str:
         """Cross-check the live probe with the committed matrix; the probe decides."""
@@ -167,11 +189,15 @@ class Runtime:
     # -- reporting --------------------------------------------------------
 
     def compile_fingerprint(self) -> str:
-        """The switch's raw value and the patches applied in this process."""
+        """The switch's raw value and the patches installed in this process.
+
+        Installed, not "outcome applied": a patch restated as not-needed keeps its
+        changes, and every process must compute the same key.
+        """
         applied = sorted(
             patch_id
             for patch_id, state in self.states.items()
-            if state.status is not None and state.status.outcome == "applied"
+            if state.patcher is not None and state.patcher.active
         )
         raw = os.environ.get(toggles.GLOBAL_SWITCH, "")
         return f"{raw}|applied={','.join(applied)}"

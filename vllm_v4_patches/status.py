@@ -4,7 +4,8 @@ Outcomes (exactly this vocabulary):
 
 * ``applied``: the fix is installed in this process;
 * ``disabled``: switched off by ``VLLM_V4_PATCHES`` or ``VLLM_V4_PATCH_<ID>``;
-* ``not-needed``: the probe found the target already fixed upstream;
+* ``not-needed``: the probe found the target already fixed upstream, or the patch
+  restated itself so once it saw that this process runs code it does not touch;
 * ``absent``: the target does not exist in this vLLM;
 * ``out-of-range``: the vLLM version is outside the patch's declared range;
 * ``failed``: probing or applying raised (the reason is in ``detail``).
@@ -18,9 +19,10 @@ import multiprocessing
 import os
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 Outcome = Literal["applied", "disabled", "not-needed", "absent", "out-of-range", "failed"]
+OUTCOMES: tuple[str, ...] = get_args(Outcome)
 
 logger = logging.getLogger("vllm_v4_patches")
 
@@ -92,6 +94,12 @@ def log_summary(document: dict) -> None:
     _join_vllm_logging()
     troubled = any(e["outcome"] == "failed" for e in document["patches"].values())
     logger.log(logging.WARNING if troubled else logging.INFO, summary_line(document))
+
+
+def log_line(level: int, message: str) -> None:
+    """One line after the summary (a restated outcome), prefixed like it."""
+    _join_vllm_logging()
+    logger.log(level, f"vllm_v4_patches [{process_role()} pid {os.getpid()}]: {message}")
 
 
 class _ThroughVllmHandlers(logging.Handler):

