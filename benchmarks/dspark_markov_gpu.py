@@ -12,14 +12,34 @@ DeepSeek-V4-Flash sizes (V = 129280, R = 256, H = 4096, N = 5, bf16). For each b
 --sweep also times every candidate kernel configuration. Prints a Markdown table;
 writes JSON to $OUT/dspark_markov_gpu.json when OUT is set.
 
-Findings on one H200 (copy 4.1 TB/s), fused/bound: 1.29 (B=1), 1.33 (8), 1.41 (32),
-1.49 (64), 1.70 (128), 2.14 (256). What paid: atomic 64-bit argmax keys instead of a
-reduction launch per slot (3-10 us), walking the V-tiles backwards on odd slots so a
-slot starts on the markov_w2 lines the previous one left in L2 (~10 us), prefetching
-the base logits. What lost: a weight-stationary kernel (W2 tile held, rows looped),
-an embedding-stationary persistent kernel, and a persistent K-loop, all 10-60% slower;
-L2 eviction hints moved nothing. At B=256 ncu shows the K-loop kernel latency-bound
-(3 CTAs/SM from 150 registers and 74 KB shared memory; DRAM 40%, L2 65%, SM 41%).
+Findings on one H200 (copy 4.1 TB/s), fused/bound. The K-loop kernel: 1.29 (B=1),
+1.33 (8), 1.41 (32), 1.49 (64), 1.70 (128), 2.14 (256). What paid there: atomic
+64-bit argmax keys instead of a reduction launch per slot (3-10 us), walking the
+V-tiles backwards on odd slots so a slot starts on the markov_w2 lines the previous
+one left in L2 (~10 us), prefetching the base logits. What lost: a weight-stationary
+kernel (W2 tile held, rows looped), an embedding-stationary persistent kernel with a
+K loop, and a persistent K-loop, all 10-60% slower; L2 eviction hints moved nothing.
+At B=256 ncu showed it latency-bound (DRAM 40%, L2 65%, SM 41%); by count each
+program also re-read its 128 rows' embeddings from L2, as many bytes as the weight.
+
+The persistent stream kernels (one program per SM and row block, embeddings held in
+shared memory, whole rank per 64-column tile, TMA copies; markov_kernel docstring)
+took that to 1.16, 1.20, 1.31, 1.31, 1.37, 1.56 in plain Triton (B=256: 347 -> 253
+us). ncu at B=256: 47 us a slot, DRAM 60%, tensor pipe 38%, 33% of warp stalls at
+CTA barriers: Triton waits for each product before its epilogue and puts barriers
+around each copy. Written out in Gluon (product of tile i in flight while tile i-1
+is folded and its stage refilled) plus programmatic dependent launch: 1.22 (B=32),
+1.22 (64), 1.32 (128), 1.41 (256; 227 us); at B <= 16 plain Triton stays 1-3%
+ahead (1.16, 1.20). Dependent launch alone gave the Gluon kernel 2-4% (B=256: 231
+-> 227 us, B=64: 127 -> 123). 64-row programs at B=256: 243 us. Lost
+or no gain (B=256 unless said): 128-column tiles (2 stages fit: 359 us), 32-column
+tiles with 5-6 stages (321-336), 256 rows per program (309-343), 64 rows with two
+programs per SM (285-319), a per-(row, column) running best instead of a per-tile
+row reduction (+-1%), issuing the next product before the fold in plain Triton
+(Triton still waits at once: +3%), pointer loads instead of TMA (+7%), dependent
+launch for plain Triton at B <= 16 (+2%). Not run, from the compiled code: emb kept
+in registers (Triton reloads it from shared memory every tile) and
+tl.range(warp_specialize=True) (no partition on sm_90; a compiler error at 4 warps).
 """
 
 from __future__ import annotations
@@ -38,6 +58,7 @@ from vllm_v4_patches.dspark import markov_kernel  # noqa: E402
 from vllm_v4_patches.dspark.markov_kernel import MarkovKernelConfig  # noqa: E402
 
 VOCAB, RANK, HIDDEN, SLOTS = 129280, 256, 4096, 5
+KERNELS = ("gluon", "stream", "k_loop")
 
 
 def make_inputs(batch: int, seed: int) -> dict:
@@ -156,27 +177,30 @@ def k_loop(tile_v: int, block_b: int, block_k: int, warps: int, stages: int, **f
     return MarkovKernelConfig(tile_v, block_b, block_k, warps, stages, **flags)
 
 
+def stream(tile_v: int, block_b: int, warps: int, stages: int, **flags):
+    """A persistent whole-rank plain-Triton kernel configuration."""
+    return MarkovKernelConfig(
+        tile_v, block_b, 256, warps, stages, atomic_argmax=True, kernel="stream", **flags
+    )
+
+
+def gluon(tile_v: int, block_b: int, stages: int, **flags):
+    """A Gluon stream kernel configuration (block_b / 16 warps)."""
+    return MarkovKernelConfig(
+        tile_v, block_b, 256, block_b // 16, stages, atomic_argmax=True, kernel="gluon", **flags
+    )
+
+
 def candidate_configs(batch: int) -> list[MarkovKernelConfig]:
-    """Kernel shapes worth trying at this batch size (the default first)."""
+    """The default, the other kernels' defaults and a few runners-up (default first)."""
     if batch <= 16:
-        configs = [
-            k_loop(256, 16, 64, 4, 3),
-            k_loop(128, 16, 128, 4, 2),
-            k_loop(256, 16, 64, 8, 3, atomic_argmax=False),
-            k_loop(256, 16, 64, 8, 3, keep_weight_in_l2=False),
-        ]
-    elif batch <= 32:
-        configs = [k_loop(256, 32, 64, 8, 3), k_loop(128, 32, 64, 4, 3, atomic_argmax=False)]
+        others = [gluon(64, 64, 4, pdl=True), stream(64, 16, 4, 3, programs_per_sm=2, pdl=True)]
     elif batch <= 64:
-        configs = [k_loop(128, 64, 64, 8, 3), k_loop(128, 64, 64, 4, 3, atomic_argmax=False)]
+        others = [gluon(64, 64, 3, pdl=True), gluon(64, 64, 4)]
     else:
-        configs = [
-            k_loop(128, 64, 64, 4, 3),
-            k_loop(64, 128, 64, 4, 3),
-            k_loop(128, 64, 128, 4, 2),
-            k_loop(128, 128, 64, 8, 2, prefetch_base=False),
-        ]
-    return list(dict.fromkeys([markov_kernel.default_config(batch), *configs]))
+        others = [gluon(64, 128, 3), gluon(64, 64, 4, pdl=True)]
+    defaults = [markov_kernel.default_config(batch, kernel) for kernel in KERNELS]
+    return list(dict.fromkeys([*defaults, *others]))
 
 
 def run_batch(batch: int, replays: int, sweep: bool) -> dict:
@@ -234,7 +258,8 @@ def check_sampled(batch: int) -> dict:
     ref = markov_kernel.sampled_markov_draft_reference(**inputs, **extra)
     checks = {}
     for name, config in (
-        ("default", markov_kernel.default_config(batch)),
+        ("gluon", gluon(64, 64, 4, pdl=True)),
+        ("stream", markov_kernel.default_config(batch, "stream")),
         ("partials", k_loop(128, 16, 64, 4, 3, atomic_argmax=False)),
     ):
         got = markov_kernel.sampled_markov_draft_triton(**inputs, **extra, config=config)
@@ -266,6 +291,7 @@ def print_sweep(results: list[dict]) -> None:
         for entry in sorted(row["configs"], key=lambda e: e.get("us", float("inf"))):
             c = entry["config"]
             shape = (
+                f"{c['kernel']} pps{c['programs_per_sm']} pdl{int(c['pdl'])} "
                 f"k{c['block_k']} v{c['tile_v']} b{c['block_b']} w{c['num_warps']} "
                 f"s{c['num_stages']} atomic{int(c['atomic_argmax'])} "
                 f"pf{int(c['prefetch_base'])} alt{int(c['alternate_direction'])} "

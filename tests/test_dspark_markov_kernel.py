@@ -108,6 +108,20 @@ def test_dispatcher_picks_torch_on_cpu():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("batch", [1, 16, 17, 32, 64, 65, 128, 256])
+def test_default_configs_suit_their_kernels(batch: int):
+    """The persistent kernels publish keys; Gluon's programs are whole warpgroups."""
+    for kernel in ("gluon", "stream", "k_loop"):
+        config = markov_kernel.default_config(batch, kernel)
+        if kernel == "k_loop":
+            assert config.kernel == "k_loop"
+            continue
+        assert config.kernel in ("gluon", "stream") and config.atomic_argmax
+        assert config.block_k == 256 and config.block_b >= min(batch, 64)
+        if config.kernel == "gluon":
+            assert config.block_b % 64 == 0 and config.num_warps == config.block_b // 16
+
+
 def test_import_loads_no_heavy_module():
     """The overlay is imported at every interpreter start: torch must load lazily."""
     code = (
