@@ -96,6 +96,18 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def dspark_variants(dspark_pair) -> dict[str, Path]:
+    """The distilled draft with a gated and with an rnn Markov head added (seconds)."""
+    from dspark_model import write_markov_variant
+
+    _, draft = dspark_pair
+    return {
+        kind: Path(write_markov_variant(draft, f"{draft}-{kind}", kind))
+        for kind in ("gated", "rnn")
+    }
+
+
+@pytest.fixture(scope="session")
 def dspark_pair() -> tuple[Path, Path]:
     """The tiny trained Qwen3 target and its distilled DSpark draft (built if missing)."""
     if not (DSPARK_DRAFT_DIR / "model.safetensors").exists():

@@ -7,6 +7,7 @@ from it (``tools/distill_dspark.py``), so drafts are really accepted.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -117,11 +118,11 @@ def test_confidence_scheduled_verification_cuts_drafts_losslessly(dspark_pair, n
     assert 0 < counters["num_draft_tokens"] < 4 * counters["num_drafts"], counters
 
 
-def record_drafts(target, draft, *extra: str) -> dict:  # noqa: ANN001
+def record_drafts(target, draft, *extra: str, vllm_path: tuple = ()) -> dict:  # noqa: ANN001
     script = str(REPO / "tools" / "record_dspark_drafts.py")
     result = run_python(
         [script, str(target), str(draft), *extra],
-        pythonpath=[REPO],
+        pythonpath=[*vllm_path, REPO],
         env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
     )
     [line] = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
@@ -205,6 +206,56 @@ def test_served_draft_logits_equal_a_from_scratch_recompute(dspark_pair):
             expected = draft.draft_logits(taps[0], len(prefix), record["anchor"])
         logits = torch.tensor(record["base_logits"])
         torch.testing.assert_close(logits, expected[: logits.shape[0]], atol=1e-4, rtol=1e-4)
+
+
+def check_markov_variant(target_dir: Path, draft_dir: Path, vllm_path: tuple = ()) -> None:
+    """Serve a gated or rnn draft: every block drafted equals the pure-torch draft's
+    greedy block on the committed prefix, the head changes some blocks (against the
+    same draft read as vanilla), drafts are accepted, and the output is the target's
+    own greedy output (HF transformers)."""
+    import torch
+    from dspark_model import DSparkDraft, TinyQwen3ForCausalLM
+
+    served = record_drafts(target_dir, draft_dir, "--max-tokens", "24", vllm_path=vllm_path)
+    prefixes = committed_prefixes(served)
+    assert len(prefixes) >= 10
+    target = TinyQwen3ForCausalLM.from_pretrained(target_dir).eval()
+    draft = DSparkDraft.from_pretrained(draft_dir).eval()
+    config = json.loads((draft_dir / "config.json").read_text())
+    vanilla = DSparkDraft({**config, "markov_head_type": "vanilla"})
+    vanilla.load_state_dict(draft.state_dict(), strict=False)
+    changed = accepted = 0
+    for record, prefix in zip(served["records"], prefixes, strict=True):
+        with torch.no_grad():
+            taps = target.taps(target(torch.tensor([prefix])).layer_outputs, draft.target_layer_ids)
+            expected = draft.propose_greedy(taps[0], len(prefix), record["anchor"])
+            plain = vanilla.propose_greedy(taps[0], len(prefix), record["anchor"])
+        slots = len(record["drafts"])
+        assert record["drafts"] == expected.tokens[:slots].tolist(), (record, prefix)
+        changed += record["drafts"] != plain.tokens[:slots].tolist()
+        # the anchor is the last committed token; the next one is the first slot's
+        [sequence] = [s for s in served["sequences"] if s[: len(prefix)] == prefix]
+        accepted += sequence[len(prefix) + 1 : len(prefix) + 2] == record["drafts"][:1]
+    assert changed > 0, "the gated/rnn head changed no block: is it applied?"
+    assert accepted > 0, "no first draft was ever accepted"
+    reference = hf_greedy(target_dir, record_drafts_prompts(), 24)
+    outputs = [s[len(s) - 24 :] for s in served["sequences"]]
+    assert outputs == reference
+
+
+def record_drafts_prompts() -> list[str]:
+    from record_dspark_drafts import DEFAULT_PROMPTS
+
+    return DEFAULT_PROMPTS
+
+
+@pytest.mark.parametrize("kind", ["gated", "rnn"])
+def test_gated_and_rnn_markov_heads_serve_what_the_reference_drafts(
+    kind, dspark_pair, dspark_variants
+):
+    """vLLM's own DSpark class has the vanilla head only; the overlay serves the
+    other two with its draft class."""
+    check_markov_variant(dspark_pair[0], dspark_variants[kind])
 
 
 def test_a_malformed_draft_config_fails_in_one_line_naming_the_key(dspark_pair, tmp_path):

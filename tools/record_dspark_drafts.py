@@ -2,9 +2,9 @@
 
 Runs ``vllm.LLM`` (through the overlay, which must be on PYTHONPATH) with a DSpark
 draft, and in the worker records, at every drafting step and for every request,
-the request's prompt, the anchor token and its position, and the draft's base
-logits for the N slots. Prints ``RESULT {json}`` with the records, so
-a test can recompute each block from scratch on the committed prefix.
+the request's prompt, the anchor token and its position, the draft's base
+logits for the N slots and the N tokens drafted. Prints ``RESULT {json}`` with the
+records, so a test can recompute each block from scratch on the committed prefix.
 
     python tools/record_dspark_drafts.py TARGET DRAFT [--max-tokens N] [--prompts ...]
 """
@@ -28,6 +28,7 @@ def install_recorder(worker) -> None:  # noqa: ANN001
     def recording(hidden_states, sampling_metadata):  # noqa: ANN001, ANN202
         slots = drafter.num_speculative_tokens
         base = drafter.model.compute_draft_logits(hidden_states).float().cpu()
+        drafts, probs = sample(hidden_states, sampling_metadata)
         batch = runner.input_batch
         for row in range(base.shape[0] // slots):
             # token_ids_cpu lags behind the drafts accepted this step, so the
@@ -39,9 +40,10 @@ def install_recorder(worker) -> None:  # noqa: ANN001
                     "anchor_position": int(drafter.positions[row * slots]),
                     "anchor": int(drafter._anchors[row]),
                     "base_logits": base[row * slots : (row + 1) * slots].tolist(),
+                    "drafts": drafts[row * slots : (row + 1) * slots].tolist(),
                 }
             )
-        return sample(hidden_states, sampling_metadata)
+        return drafts, probs
 
     drafter._sample_draft_tokens = recording
     worker.dspark_records = records
@@ -59,12 +61,12 @@ def _capture_published_request_ids(runner) -> list:  # noqa: ANN001
             builder = group.get_metadata_builder()
             build = builder.build
 
-            def build_and_look(
-                common_prefix_len, cam, *args, build=build, **kwargs
-            ):  # noqa: ANN001, ANN202
+            def build_and_look(*args, build=build, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                # (common_prefix_len, common_attn_metadata, ...), by position or name
+                cam = kwargs.get("common_attn_metadata") or args[1]
                 expected = list(runner.input_batch.req_ids[: cam.num_reqs])
                 seen.append([list(request_ids.current()[: cam.num_reqs]), expected])
-                return build(common_prefix_len, cam, *args, **kwargs)
+                return build(*args, **kwargs)
 
             builder.build = build_and_look
     return seen

@@ -9,6 +9,7 @@ draft-config parser (``checkpoint``) and the fused GPU Markov loop
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,8 @@ VERIFY_SETTINGS = ("VLLM_V4_DSPARK_VERIFY", "VLLM_V4_DSPARK_VERIFY_COST")
 DRAFT_METHOD_MARK = "vllm_v4_draft_method"
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
 DSPARK_ARCHITECTURES = (DSPARK_ARCHITECTURE, f"DFlash{DSPARK_ARCHITECTURE}")
+# the overlay's draft class under its own name (gated and rnn Markov heads, 0.25+)
+OVERLAY_ARCHITECTURE = "VllmV4DSparkQwen3Model"
 
 RECORD = PatchRecord(
     id="dspark",
@@ -65,6 +68,8 @@ RECORD = PatchRecord(
         "overlay's DSpark Qwen3 draft class (dspark.draft_model: vLLM's DFlash Qwen3 "
         "draft plus the Markov and confidence heads) is registered for "
         "Qwen3DSparkModel, and V2 (which has no DSpark there) is kept off for it. "
+        "Gated and rnn Markov heads (vLLM's own DSpark class, 0.25+, has the vanilla "
+        "head only) are served by the overlay's class on every release. "
         "Runner: while V1 GPUModelRunner.__init__ runs for a dspark config, the branch "
         "its drafter chain takes (EAGLE, or DFlash before 0.25) builds the overlay's "
         "DSpark drafter instead (a DFlashProposer subclass, so every isinstance union "
@@ -97,6 +102,7 @@ RECORD = PatchRecord(
     targets=(
         Target(SPEC_CONFIG_MODULE, "SpeculativeConfig.__init__", versions="<0.25"),
         Target(REGISTRY_MODULE, f"ModelRegistry[{DSPARK_ARCHITECTURE}]", versions="<0.25"),
+        Target(REGISTRY_MODULE, f"ModelRegistry[{OVERLAY_ARCHITECTURE}]"),
         Target(CONFIG_MODULE, f"VllmConfig.{RUNNER_CHOICE}", versions=">=0.22"),
         Target(CONFIG_MODULE, f"VllmConfig.{UNSUPPORTED_METHOD}", versions=">=0.29"),
         Target(RUNNER_MODULE, "GPUModelRunner.__init__", runner="V1"),
@@ -195,14 +201,21 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
     # importing, so importing the runner (or VllmConfig) here would be circular.
     routes = found.facts.get("routes", [])
     done = []
+    # The overlay's draft class: for every DSpark draft where vLLM has none
+    # (0.20-0.24), for gated and rnn Markov heads everywhere (vLLM's is vanilla only).
+    architectures = (OVERLAY_ARCHITECTURE,)
     if "dflash-stand-in" in routes:
+        architectures += DSPARK_ARCHITECTURES
         how = patcher.wrap_when_imported(
             SPEC_CONFIG_MODULE, "SpeculativeConfig", "__init__", accept_dspark_as_dflash
         )
-        patcher.register_when_imported(
-            REGISTRY_MODULE, f"ModelRegistry[{DSPARK_ARCHITECTURE}]", register_draft_class
-        )
-        done.append(f"{how} SpeculativeConfig.__init__, ModelRegistry[{DSPARK_ARCHITECTURE}]")
+        done.append(f"{how} SpeculativeConfig.__init__")
+    how = patcher.register_when_imported(
+        REGISTRY_MODULE,
+        f"ModelRegistry[{', '.join(architectures)}]",
+        functools.partial(register_draft_class, architectures=architectures),
+    )
+    done.append(f"{how} ModelRegistry[{', '.join(architectures)}]")
     if "v2-kept-off" in routes:
         how = patcher.wrap_when_imported(
             CONFIG_MODULE, "VllmConfig", RUNNER_CHOICE, v1_for_dspark_stand_in, getter=True
@@ -312,14 +325,15 @@ def expose_keys_to_dflash(hf_config: Any) -> None:
     hf_config.dflash_config = dflash_config
 
 
-def register_draft_class(registry_module: Any) -> Any:
-    """Make vLLM's registry resolve the DeepSpec architecture (and the name vLLM's
-    dflash EAGLE config gives it) to the overlay's draft class; returns the undo."""
+def register_draft_class(registry_module: Any, architectures: tuple[str, ...]) -> Any:
+    """Make vLLM's registry resolve these architectures (the overlay's own name; on
+    0.20-0.24 also the DeepSpec one and the name vLLM's dflash EAGLE config gives it)
+    to the overlay's draft class; returns the undo."""
     from vllm_v4_patches.dspark.draft_model import MODEL_REFERENCE
 
     registry = registry_module.ModelRegistry
-    previous = {arch: registry.models.get(arch) for arch in DSPARK_ARCHITECTURES}
-    for arch in DSPARK_ARCHITECTURES:
+    previous = {arch: registry.models.get(arch) for arch in architectures}
+    for arch in architectures:
         registry.register_model(arch, MODEL_REFERENCE)
 
     def undo() -> None:

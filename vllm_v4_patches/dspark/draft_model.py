@@ -6,14 +6,20 @@ so the class here is vLLM's DFlash Qwen3 draft with
 
 * the Markov head (``markov_head.markov_w1``: target vocab x rank embedding of the
   previous token; ``markov_head.markov_w2``: draft vocab x rank projection to a
-  logit bias, through the draft's logits processor like the LM head), and
+  logit bias, through the draft's logits processor like the LM head), in DeepSpec's
+  three variants: vanilla, gated (``markov_head.gate_proj``) and rnn
+  (``markov_head.joint_proj``), and
 * the confidence head (``confidence_head.proj``: one float32 logit from the final
   hidden state, concatenated with the Markov embedding when
   ``confidence_head_with_markov``),
 
 exposing the hooks the drafter's sequential stage calls (``compute_draft_logits``,
 ``markov_embed``, ``markov_bias``, ``compute_confidence``, ``map_draft_to_target``),
-the same names vLLM's own DSpark draft classes use.
+the same names vLLM's own DSpark draft classes use, plus ``markov_step``, which
+the gated and rnn heads need (they read the slot's hidden state, and rnn carries a
+state from slot to slot). vLLM's own DSpark class (0.25+) has the vanilla head only,
+so there the V1 drafter gives gated and rnn drafts this class instead, registered
+under the overlay's own architecture name.
 
 vLLM's model registry imports this module lazily by name (``MODEL_REFERENCE``);
 the class subclasses a vLLM class, so it is built on first attribute access.
@@ -26,7 +32,10 @@ from typing import Any
 
 CLASS_NAME = "DSparkQwen3ForCausalLM"
 MODEL_REFERENCE = f"{__name__}:{CLASS_NAME}"
-SUPPORTED_MARKOV_HEADS = ("vanilla",)
+SUPPORTED_MARKOV_HEADS = ("vanilla", "gated", "rnn")
+# tensors of the gated/rnn heads; loaded here because DFlash's loader would take
+# "gate_proj" for the MLP's stacked gate_up_proj
+_OWN_TENSORS = ("markov_head.gate_proj.", "markov_head.joint_proj.")
 
 
 def __getattr__(name: str) -> Any:
@@ -46,10 +55,37 @@ def draft_model_class() -> type:
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
     class MarkovHead(nn.Module):
-        def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, prefix: str):
+        def __init__(self, config: Any, prefix: str) -> None:
             super().__init__()
-            self.markov_w1 = VocabParallelEmbedding(vocab_size, rank, prefix=f"{prefix}.markov_w1")
-            self.markov_w2 = ParallelLMHead(draft_vocab_size, rank, prefix=f"{prefix}.markov_w2")
+            rank, hidden = config.markov_rank, config.hidden_size
+            self.kind = getattr(config, "markov_head_type", None) or "vanilla"
+            self.markov_w1 = VocabParallelEmbedding(
+                config.vocab_size, rank, prefix=f"{prefix}.markov_w1"
+            )
+            draft_vocab = getattr(config, "draft_vocab_size", None) or config.vocab_size
+            self.markov_w2 = ParallelLMHead(draft_vocab, rank, prefix=f"{prefix}.markov_w2")
+            # small replicated projections: the stage runs once per slot, in order
+            if self.kind == "gated":
+                self.gate_proj = nn.Linear(hidden + rank, rank, bias=True)
+            elif self.kind == "rnn":
+                self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank, bias=True)
+
+        def features(
+            self, code: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """What markov_w2 projects for this slot, and the rnn state after it."""
+            if self.kind == "vanilla":
+                return code, None
+            if self.kind == "gated":
+                gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, code], dim=-1)))
+                return gate * code, None
+            if state is None:
+                state = torch.zeros_like(code)
+            joint = self.joint_proj(torch.cat([state, code, hidden], dim=-1))
+            keep_logit, candidate, output = joint.split(code.shape[-1], dim=-1)
+            keep = torch.sigmoid(keep_logit)
+            state = keep * state + (1.0 - keep) * torch.tanh(candidate)
+            return torch.tanh(output), state
 
     class ConfidenceHead(nn.Module):
         def __init__(self, input_dim: int, with_markov: bool) -> None:
@@ -70,12 +106,7 @@ def draft_model_class() -> type:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
             config = self.config
             inner_prefix = f"{prefix}.model" if prefix else "model"
-            self.model.markov_head = MarkovHead(
-                config.vocab_size,
-                config.draft_vocab_size,
-                config.markov_rank,
-                prefix=f"{inner_prefix}.markov_head",
-            )
+            self.model.markov_head = MarkovHead(config, prefix=f"{inner_prefix}.markov_head")
             self.model.confidence_head = None
             if getattr(config, "enable_confidence_head", False):
                 with_markov = bool(getattr(config, "confidence_head_with_markov", False))
@@ -99,6 +130,17 @@ def draft_model_class() -> type:
         def markov_bias(self, markov_embed: torch.Tensor) -> torch.Tensor:
             return self.logits_processor(self.model.markov_head.markov_w2, markov_embed)
 
+        def markov_step(
+            self,
+            markov_embed: torch.Tensor,
+            hidden_states: torch.Tensor,
+            state: torch.Tensor | None = None,
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """One slot's bias given the previous token's code and this slot's hidden
+            state; returns ``(bias, state)`` (the rnn head's state, else None)."""
+            features, state = self.model.markov_head.features(markov_embed, hidden_states, state)
+            return self.markov_bias(features), state
+
         def compute_confidence(
             self, hidden_states: torch.Tensor, markov_embed: torch.Tensor
         ) -> torch.Tensor:
@@ -110,11 +152,42 @@ def draft_model_class() -> type:
             skipped = ("mask_embedding",) + (
                 () if self.model.confidence_head is not None else ("confidence_head",)
             )
-            kept = ((name, w) for name, w in weights if not any(s in name for s in skipped))
-            return super().load_weights(kept)
+            kept, own = [], {}
+            for name, weight in weights:
+                if any(part in name for part in _OWN_TENSORS):
+                    own[name] = weight
+                elif not any(part in name for part in skipped):
+                    kept.append((name, weight))
+            loaded = super().load_weights(kept)
+            return _load_own_tensors(self.model, own, loaded)
 
     DSparkQwen3ForCausalLM.__module__ = __name__
     return DSparkQwen3ForCausalLM
+
+
+def _load_own_tensors(model: Any, tensors: dict, loaded: Any) -> Any:
+    """Copy the gated/rnn head tensors in by name; add them to vLLM's loaded set."""
+    import torch
+
+    parameters = dict(model.named_parameters())
+    names = set()
+    for name, tensor in tensors.items():
+        local = name[name.index("markov_head.") :]
+        parameter = parameters.get(local)
+        if parameter is None or parameter.shape != tensor.shape:
+            raise ValueError(
+                f"draft weight {name} {tuple(tensor.shape)} does not fit this draft's "
+                f"markov_head_type={model.markov_head.kind!r}"
+            )
+        with torch.no_grad():
+            parameter.copy_(tensor)
+        names.add(f"model.{local}")
+    missing = {n for n in parameters if n.startswith(_OWN_TENSORS)} - {
+        n.removeprefix("model.") for n in names
+    }
+    if missing:
+        raise ValueError(f"the draft checkpoint lacks {', '.join(sorted(missing))}")
+    return loaded if loaded is None else set(loaded) | names
 
 
 def _keep_query_projection_weights(layers: Any) -> None:

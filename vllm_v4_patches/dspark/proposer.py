@@ -53,6 +53,21 @@ def _verification_settings(runner: Any) -> tuple[bool, Any]:
     return True, cost
 
 
+def serve_markov_variants_with_overlay_class(hf_config: Any) -> None:
+    """Give a gated or rnn draft the overlay's draft class where vLLM's would load it.
+
+    vLLM's own DSpark Qwen3 class (0.25+) has the vanilla Markov head only and
+    fails on the other heads' tensors; its loader resolves the class from the
+    draft's ``hf_config.architectures``. Drafts marked by the 0.20-0.24 route
+    already resolve to the overlay's class.
+    """
+    from vllm_v4_patches.dspark import DRAFT_METHOD_MARK, OVERLAY_ARCHITECTURE
+
+    kind = getattr(hf_config, "markov_head_type", None) or "vanilla"
+    if kind != "vanilla" and getattr(hf_config, DRAFT_METHOD_MARK, None) is None:
+        hf_config.architectures = [OVERLAY_ARCHITECTURE]
+
+
 @functools.cache
 def proposer_class() -> type:
     from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -75,6 +90,7 @@ def proposer_class() -> type:
         def load_model(self, target_model: Any) -> None:
             from vllm_v4_patches.dspark.context_norm import fix_context_k_norm
 
+            serve_markov_variants_with_overlay_class(self.draft_model_config.hf_config)
             super().load_model(target_model)
             fix_context_k_norm(self.model)
 

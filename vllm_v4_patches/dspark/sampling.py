@@ -4,7 +4,9 @@ The draft model supplies the pieces (base logits, Markov embedding and bias,
 confidence); this module chains them left to right and samples. It works on any
 model exposing ``compute_draft_logits`` (or ``compute_logits``), ``markov_embed``,
 ``markov_bias`` and optionally ``compute_confidence`` / ``map_draft_to_target``,
-which is what vLLM's DSpark draft classes (0.25+) expose.
+which is what vLLM's DSpark draft classes (0.25+) expose; a model with
+``markov_step`` (the overlay's draft class: gated and rnn heads) gets each slot's
+hidden state and its own state through it.
 """
 
 from __future__ import annotations
@@ -47,20 +49,27 @@ def draft_with_markov_head(
     """
     import torch
 
+    batch = anchors.shape[0]
     base_logits = _base_logits(model, hidden_states)
-    base_logits = base_logits.view(anchors.shape[0], num_slots, base_logits.shape[-1])
-    previous = anchors
+    base_logits = base_logits.view(batch, num_slots, base_logits.shape[-1])
+    slot_hidden = hidden_states.view(batch, num_slots, hidden_states.shape[-1])
+    step = getattr(model, "markov_step", None)  # gated/rnn heads need the hidden state
+    previous, state = anchors, None
     tokens, distributions, embeddings = [], [], []
     for slot in range(num_slots):
         embedding = model.markov_embed(previous)
-        corrected = base_logits[:, slot].float() + model.markov_bias(embedding).float()
+        if step is None:
+            bias = model.markov_bias(embedding)
+        else:
+            bias, state = step(embedding, slot_hidden[:, slot], state)
+        corrected = base_logits[:, slot].float() + bias.float()
         uniforms = None if temperature is None else torch.rand_like(corrected)
         draft_ids, probs = sample_slot(corrected, temperature, uniforms)
         previous = _to_target_ids(model, draft_ids)
         tokens.append(previous)
         distributions.append(probs)
         embeddings.append(embedding)
-    confidence = _confidence(model, hidden_states, embeddings, anchors.shape[0])
+    confidence = _confidence(model, hidden_states, embeddings, batch)
     return DraftBlock(
         tokens=torch.stack(tokens, dim=1),
         probs=None if temperature is None else torch.stack(distributions, dim=1),
