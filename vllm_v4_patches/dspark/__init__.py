@@ -288,7 +288,7 @@ def _check_stand_in_request(kwargs: dict) -> None:
 
 def _mark_dspark_draft(hf_config: Any) -> None:
     """Check the draft is one the overlay's class runs, and mark it as DSpark."""
-    from vllm_v4_patches.dspark.draft_model import SUPPORTED_MARKOV_HEADS
+    from vllm_v4_patches.dspark.checkpoint import MARKOV_HEAD_TYPES
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not set(architectures) & set(DSPARK_ARCHITECTURES):
@@ -297,10 +297,10 @@ def _mark_dspark_draft(hf_config: Any) -> None:
             f"this vLLM can run; accepted: {DSPARK_ARCHITECTURE}"
         )
     head_type = getattr(hf_config, "markov_head_type", "vanilla")
-    if head_type not in SUPPORTED_MARKOV_HEADS:
+    if head_type not in MARKOV_HEAD_TYPES:
         raise ValueError(
             f"markov_head_type={head_type!r} is not supported on this vLLM; accepted: "
-            f"{', '.join(SUPPORTED_MARKOV_HEADS)}"
+            f"{', '.join(MARKOV_HEAD_TYPES)}"
         )
     expose_keys_to_dflash(hf_config)
     setattr(hf_config, DRAFT_METHOD_MARK, "dspark")

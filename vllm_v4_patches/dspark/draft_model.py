@@ -32,7 +32,6 @@ from typing import Any
 
 CLASS_NAME = "DSparkQwen3ForCausalLM"
 MODEL_REFERENCE = f"{__name__}:{CLASS_NAME}"
-SUPPORTED_MARKOV_HEADS = ("vanilla", "gated", "rnn")
 # tensors of the gated/rnn heads; loaded here because DFlash's loader would take
 # "gate_proj" for the MLP's stacked gate_up_proj
 _OWN_TENSORS = ("markov_head.gate_proj.", "markov_head.joint_proj.")
@@ -53,6 +52,8 @@ def draft_model_class() -> type:
         VocabParallelEmbedding,
     )
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+
+    from vllm_v4_patches.dspark import heads
 
     class MarkovHead(nn.Module):
         def __init__(self, config: Any, prefix: str) -> None:
@@ -77,15 +78,12 @@ def draft_model_class() -> type:
             if self.kind == "vanilla":
                 return code, None
             if self.kind == "gated":
-                gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, code], dim=-1)))
-                return gate * code, None
+                gate = self.gate_proj
+                return heads.gated_features(code, hidden, gate.weight, gate.bias), None
             if state is None:
                 state = torch.zeros_like(code)
-            joint = self.joint_proj(torch.cat([state, code, hidden], dim=-1))
-            keep_logit, candidate, output = joint.split(code.shape[-1], dim=-1)
-            keep = torch.sigmoid(keep_logit)
-            state = keep * state + (1.0 - keep) * torch.tanh(candidate)
-            return torch.tanh(output), state
+            joint = self.joint_proj
+            return heads.rnn_features(code, hidden, state, joint.weight, joint.bias)
 
     class ConfidenceHead(nn.Module):
         def __init__(self, input_dim: int, with_markov: bool) -> None:

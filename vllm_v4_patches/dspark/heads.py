@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -129,17 +129,47 @@ def vanilla_bias(head: MarkovHead, prev_tokens: torch.Tensor) -> torch.Tensor:
     return project_to_vocab(head, markov_embed(head, prev_tokens))
 
 
-def gated_bias(head: MarkovHead, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """``W2(sigmoid(gate_proj([h_k ; W1[prev]])) * W1[prev])``.
+def gated_features(
+    code: torch.Tensor, hidden: torch.Tensor, gate_weight: torch.Tensor, gate_bias: Any
+) -> torch.Tensor:
+    """``sigmoid(gate_proj([h_k ; code])) * code``: what the gated head hands W2.
 
     The gate lets the backbone state decide how much of the bigram code to apply.
     """
     import torch
 
-    prev_code = markov_embed(head, prev_tokens)
-    gate_input = torch.cat([hidden, prev_code], dim=-1)
-    gate = torch.sigmoid(torch.nn.functional.linear(gate_input, head.gate_weight, head.gate_bias))
-    return project_to_vocab(head, gate * prev_code)
+    gate_input = torch.cat([hidden, code], dim=-1)
+    gate = torch.sigmoid(torch.nn.functional.linear(gate_input, gate_weight, gate_bias))
+    return gate * code
+
+
+def rnn_features(
+    code: torch.Tensor,
+    hidden: torch.Tensor,
+    state: torch.Tensor,
+    joint_weight: torch.Tensor,
+    joint_bias: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One recurrent step: ``(tanh(o), s_k)``, W2's input and the new state.
+
+    ``[g, c, o] = joint_proj([s_{k-1} ; code ; h_k])``;
+    ``s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c)``.
+    The state carries information from every earlier drafted token, not just the last.
+    """
+    import torch
+
+    joint_input = torch.cat([state, code, hidden], dim=-1)
+    joint = torch.nn.functional.linear(joint_input, joint_weight, joint_bias)
+    gate_logit, candidate, output = joint.split(code.shape[-1], dim=-1)
+    keep = torch.sigmoid(gate_logit)
+    new_state = keep * state + (1.0 - keep) * torch.tanh(candidate)
+    return torch.tanh(output), new_state
+
+
+def gated_bias(head: MarkovHead, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``W2(sigmoid(gate_proj([h_k ; W1[prev]])) * W1[prev])``."""
+    code = markov_embed(head, prev_tokens)
+    return project_to_vocab(head, gated_features(code, hidden, head.gate_weight, head.gate_bias))
 
 
 def initial_rnn_state(head: MarkovHead, hidden: torch.Tensor) -> torch.Tensor:
@@ -155,20 +185,10 @@ def rnn_bias(
     hidden: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One recurrent step; returns ``(bias, s_k)``.
-
-    ``[g, c, o] = joint_proj([s_{k-1} ; W1[prev] ; h_k])``;
-    ``s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c)``; bias ``W2(tanh(o))``.
-    The state carries information from every earlier drafted token, not just the last.
-    """
-    import torch
-
-    joint_input = torch.cat([state, markov_embed(head, prev_tokens), hidden], dim=-1)
-    joint = torch.nn.functional.linear(joint_input, head.joint_weight, head.joint_bias)
-    gate_logit, candidate, output = joint.split(head.rank, dim=-1)
-    keep = torch.sigmoid(gate_logit)
-    new_state = keep * state + (1.0 - keep) * torch.tanh(candidate)
-    return project_to_vocab(head, torch.tanh(output)), new_state
+    """One recurrent step; returns ``(W2(tanh(o)), s_k)`` (see :func:`rnn_features`)."""
+    code = markov_embed(head, prev_tokens)
+    output, new_state = rnn_features(code, hidden, state, head.joint_weight, head.joint_bias)
+    return project_to_vocab(head, output), new_state
 
 
 def markov_bias(
