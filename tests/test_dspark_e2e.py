@@ -118,6 +118,29 @@ def test_confidence_scheduled_verification_cuts_drafts_losslessly(dspark_pair, n
     assert 0 < counters["num_draft_tokens"] < 4 * counters["num_drafts"], counters
 
 
+@pytest.mark.parametrize("mode", ["all", "confidence"])
+def test_async_scheduling_is_lossless_and_scheduled_verification_cuts_in_the_worker(
+    dspark_pair, no_speculation, mode
+):
+    """Async scheduling forced on (the CPU platform turns it off): the drafts stay on
+    the device and the scheduler reserves N per request. With confidence-scheduled
+    verification and a steep fixed cost the worker verifies fewer than it was given,
+    planned from the confidences one draft step older; the output is unchanged."""
+    target, draft = dspark_pair
+    settings = {"VLLM_V4_DSPARK_VERIFY": mode, "VLLM_V4_DSPARK_VERIFY_COST": "1,1"}
+    result = generate(target, "--dspark", str(draft), "--async-scheduling", env=settings)
+    assert result["async_scheduling"]
+    assert result["token_ids"] == no_speculation["token_ids"]
+    counters, counts = result["spec_decode"], result["dspark_verify"]
+    assert counters["num_draft_tokens"] == 4 * counters["num_drafts"]  # scheduler's view
+    if mode == "all":
+        assert counts == {"scheduled": 0, "verified": 0}
+        assert mean_acceptance_length(counters) >= 1.5
+    else:
+        assert 0 < counts["verified"] < counts["scheduled"], counts
+    assert counters["num_accepted_tokens"] > 0
+
+
 def record_drafts(target, draft, *extra: str, vllm_path: tuple = ()) -> dict:  # noqa: ANN001
     script = str(REPO / "tools" / "record_dspark_drafts.py")
     result = run_python(

@@ -78,3 +78,60 @@ def test_request_ids_are_per_thread_and_nest():
         assert request_ids.current() == ("a", "b")
     assert request_ids.current() == ()
     assert seen["other"] == ()
+
+
+def test_lagged_lengths_plan_from_each_requests_older_confidences():
+    """Async scheduling: the lengths come from each request's stale confidences (a
+    request without them is scored as if every draft survives), capped at the drafts
+    the scheduler reserved for it."""
+    steep = verify.StepCostModel((1.0, 1.0))
+    stale = {"sure": [0.95, 0.95, 0.95, 0.95], "unsure": [0.2, 0.9, 0.9, 0.9]}
+    scheduled = {"sure": 4, "unsure": 4, "new": 2}
+    lengths = verify.lagged_verify_lengths(scheduled, stale, steep)
+    assert list(lengths) == ["sure", "unsure", "new"]
+    assert lengths["unsure"] == 0 < lengths["sure"] and lengths["new"] == 2
+    assert verify.lagged_verify_lengths(scheduled, stale, verify.StepCostModel((1.0, 0.0))) == (
+        scheduled
+    )
+    assert verify.lagged_verify_lengths(scheduled, stale, verify.StepCostModel()) is None
+    rows = verify.survival_rows({"a": [0.5, 0.5, 0.5]}, {"a": 2, "b": 1})
+    assert rows == [[0.5, 0.25], [1.0]]
+
+
+def test_trimming_copies_vllms_scheduler_output_and_counts_what_was_cut():
+    """On vLLM's own SchedulerOutput: the engine core's object is left as it was."""
+    output_module = pytest.importorskip("vllm.v1.core.sched.output")
+    original = output_module.SchedulerOutput.make_empty()
+    original.num_scheduled_tokens = {"a": 5, "b": 5, "c": 7}
+    original.scheduled_spec_decode_tokens = {"a": [-1] * 4, "b": [-1] * 4}
+    original.total_num_scheduled_tokens = 17
+    trimmed, scheduled_counts = verify.trim_scheduled_drafts(original, {"a": 1, "b": 0})
+    assert scheduled_counts == {"a": 4, "b": 4}
+    assert trimmed.num_scheduled_tokens == {"a": 2, "b": 1, "c": 7}
+    assert trimmed.scheduled_spec_decode_tokens == {"a": [-1]}
+    assert trimmed.total_num_scheduled_tokens == 10
+    assert original.num_scheduled_tokens == {"a": 5, "b": 5, "c": 7}
+    assert (
+        original.total_num_scheduled_tokens == 17
+        and len(original.scheduled_spec_decode_tokens) == 2
+    )
+    untouched, none_cut = verify.trim_scheduled_drafts(original, {"a": 4, "b": 9})
+    assert untouched is original and none_cut == {}
+
+
+def test_confidence_lag_gives_the_snapshot_before_the_newest():
+    torch = pytest.importorskip("torch")
+    lag = verify.ConfidenceLag()
+    first = torch.tensor([[0.9, 0.8], [0.1, 0.2], [0.0, 0.0]])  # third row: padding
+    lag.capture(first, ["a", "b"], draft_step=1)
+    assert lag.stale() == {}  # the drafts now verified are the first ones seen
+    second = torch.tensor([[0.5, 0.5]])
+    lag.capture(second, ["a"], draft_step=2)
+    lag.capture(torch.tensor([[0.0, 0.0]]), ["a"], draft_step=2)  # same step: ignored
+    first.zero_()  # the snapshot is a copy
+    stale = lag.stale()
+    assert list(stale) == ["a", "b"] and stale["a"] == pytest.approx([0.9, 0.8])
+    lag.capture(torch.tensor([[0.3, 0.3]]), ["a"], draft_step=3)
+    assert lag.stale() == {"a": [0.5, 0.5]}
+    lag.capture(None, [], draft_step=4)
+    assert lag.stale() == {"a": [0.5, 0.5]}

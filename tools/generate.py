@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 DEFAULT_PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
@@ -57,6 +58,8 @@ def generate(
         speculative = {"method": "eagle", "model": eagle, "num_speculative_tokens": 3}
     if dspark:
         speculative = {"method": "dspark", "model": dspark, "num_speculative_tokens": spec_tokens}
+        # collective_rpc ships dspark_verify_counts to the worker by value
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if draft_sample_method:
             speculative["draft_sample_method"] = draft_sample_method
     started = time.perf_counter()
@@ -83,6 +86,7 @@ def generate(
     outputs = llm.generate(prompts, params, use_tqdm=False)
     done = time.perf_counter()
     engine_config = getattr(llm.llm_engine, "vllm_config", None)
+    verify_counts = llm.collective_rpc(dspark_verify_counts)[0] if dspark else None
     return {
         "async_scheduling": bool(engine_config and engine_config.scheduler_config.async_scheduling),
         "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
@@ -90,7 +94,14 @@ def generate(
         "init_s": ready - started,
         "generate_s": done - ready,
         "spec_decode": spec_decode_counters(llm),
+        "dspark_verify": verify_counts,
     }
+
+
+def dspark_verify_counts(worker) -> dict | None:  # noqa: ANN001
+    """Runs in the worker: the overlay drafter's scheduled and verified draft counts
+    (where confidence-scheduled verification cut drafts), or None."""
+    return getattr(worker.model_runner.drafter, "verify_counts", None)
 
 
 def spec_decode_counters(llm) -> dict:  # noqa: ANN001

@@ -236,7 +236,7 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
     runner_wrappers = {
         AUX_LAYERS_METHOD: dspark_target_taps,
         DRAFTS_METHOD: schedule_verification,
-        STEP_METHOD: time_engine_step,
+        STEP_METHOD: run_engine_step,
         METADATA_METHOD: publish_request_ids,
     }
     for method, wrapper in runner_wrappers.items():
@@ -480,13 +480,60 @@ def _dspark_drafter(runner: Any) -> Any:
     return drafter if getattr(drafter, "draft_method", None) == "dspark" else None
 
 
-def time_engine_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    runner, call_args, _ = split_receiver(instance, args)
+def run_engine_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    runner, call_args, receiver = split_receiver(instance, args)
     drafter = _dspark_drafter(runner)
-    if drafter is not None and drafter.scheduled_verify:
-        scheduler_output = call_args[0] if call_args else kwargs["scheduler_output"]
-        drafter.step_cost.step_started(scheduler_output.total_num_scheduled_tokens)
-    return wrapped(*args, **kwargs)
+    if drafter is None or not drafter.scheduled_verify:
+        return wrapped(*args, **kwargs)
+    scheduler_output = call_args[0] if call_args else kwargs["scheduler_output"]
+    scheduled_counts: dict[str, int] = {}
+    if drafter.confidence_lag is not None:
+        scheduler_output, scheduled_counts = cut_scheduled_drafts(runner, drafter, scheduler_output)
+        if call_args:
+            args = (*receiver, scheduler_output, *call_args[1:])
+        else:
+            kwargs = {**kwargs, "scheduler_output": scheduler_output}
+    drafter.step_cost.step_started(scheduler_output.total_num_scheduled_tokens)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        # vLLM corrects a request's computed tokens next step by the drafts the
+        # scheduler counted (its optimistic count), not by the drafts verified
+        for req_id, count in scheduled_counts.items():
+            state = runner.requests.get(req_id)
+            if state is not None:
+                state.prev_num_draft_len = count
+
+
+def cut_scheduled_drafts(runner: Any, drafter: Any, scheduler_output: Any) -> tuple[Any, dict]:
+    """Async scheduling: cut this step's scheduled drafts to the lengths planned from
+    the lagged confidences; returns the step's scheduler output and the scheduled
+    draft count of every request cut."""
+    from vllm_v4_patches.dspark import verify
+
+    lag = drafter.confidence_lag
+    lag.capture(drafter.last_confidence, runner.input_batch.req_ids, drafter.draft_steps)
+    if _has_structured_output(scheduler_output):
+        return scheduler_output, {}  # the grammar bitmask is laid out for every draft
+    scheduled = {
+        req_id: len(drafts)
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items()
+        if drafts
+    }
+    lengths = verify.lagged_verify_lengths(scheduled, lag.stale(), drafter.step_cost)
+    if lengths is None:
+        return scheduler_output, {}
+    drafter.verify_lengths = lengths
+    drafter.verify_counts["scheduled"] += sum(scheduled.values())
+    drafter.verify_counts["verified"] += sum(lengths.values())
+    return verify.trim_scheduled_drafts(scheduler_output, lengths)
+
+
+def _has_structured_output(scheduler_output: Any) -> bool:
+    return bool(
+        getattr(scheduler_output, "has_structured_output_requests", False)
+        or getattr(scheduler_output, "structured_output_request_ids", None)
+    )
 
 
 def schedule_verification(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -495,6 +542,8 @@ def schedule_verification(wrapped: Any, instance: Any, args: tuple, kwargs: dict
     drafter = _dspark_drafter(runner)
     if drafts is None or drafter is None or not drafter.scheduled_verify:
         return drafts
+    if drafter.confidence_lag is not None:
+        return drafts  # async scheduling: the step itself is cut (run_engine_step)
     from vllm_v4_patches.dspark import verify
 
     confidence = drafter.last_confidence
@@ -504,6 +553,8 @@ def schedule_verification(wrapped: Any, instance: Any, args: tuple, kwargs: dict
     if lengths is None:
         return drafts  # no cost model yet: verify everything
     drafter.verify_lengths = dict(zip(drafts.req_ids, lengths, strict=True))
+    drafter.verify_counts["scheduled"] += sum(len(ids) for ids in drafts.draft_token_ids)
+    drafter.verify_counts["verified"] += sum(lengths)
     return type(drafts)(drafts.req_ids, verify.truncate(drafts.draft_token_ids, lengths))
 
 

@@ -36,21 +36,29 @@ def presented_as(speculative_config: Any, method: str) -> Iterator[None]:
         object.__setattr__(speculative_config, "method", original)
 
 
-def _verification_settings(runner: Any) -> tuple[bool, Any]:
-    """Whether confidence-scheduled verification is on here, and its cost model."""
+def _verification_settings(runner: Any) -> tuple[bool, Any, Any]:
+    """Whether confidence-scheduled verification is on here, its cost model, and,
+    under async scheduling, where the lagged confidences are kept (else None)."""
     from vllm_v4_patches.dspark import verify
 
     cost = verify.StepCostModel(verify.fixed_cost())
     if verify.verify_mode() != "confidence":
-        return False, cost
-    if getattr(runner, "use_async_scheduling", False):
+        return False, cost, None
+    if not getattr(runner, "use_async_scheduling", False):
+        return True, cost, None
+    world_size = getattr(getattr(runner, "parallel_config", None), "world_size", 1)
+    if world_size > 1 and cost.fixed is None:
+        # each rank cuts its own copy of the step: measured step periods differ
+        # between ranks, a fixed cost model does not
         verify.logger.warning(
-            "vllm_v4_patches: %s=confidence needs the drafts on the host each step; "
-            "with async scheduling every draft is verified",
+            "vllm_v4_patches: %s=confidence with async scheduling on %d ranks needs %s "
+            "(every rank must cut the same drafts); verifying every draft",
             verify.MODE_SETTING,
+            world_size,
+            verify.COST_SETTING,
         )
-        return False, cost
-    return True, cost
+        return False, cost, None
+    return True, cost, verify.ConfidenceLag()
 
 
 def serve_markov_variants_with_overlay_class(hf_config: Any) -> None:
@@ -84,8 +92,12 @@ def proposer_class() -> type:
             self.draft_method = "dspark"
             self.last_confidence: Any = None
             self._anchors: Any = None
-            self.scheduled_verify, self.step_cost = _verification_settings(runner)
+            self.draft_steps = 0
+            settings = _verification_settings(runner)
+            self.scheduled_verify, self.step_cost, self.confidence_lag = settings
             self.verify_lengths: dict[str, int] = {}  # request id -> drafts verified
+            # drafts scheduled and verified where scheduled verification cut them
+            self.verify_counts = {"scheduled": 0, "verified": 0}
 
         def load_model(self, target_model: Any) -> None:
             from vllm_v4_patches.dspark.context_norm import fix_context_k_norm
@@ -151,6 +163,7 @@ def proposer_class() -> type:
                 sampling.temperatures_for(self, sampling_metadata),
             )
             self.last_confidence = block.confidence
+            self.draft_steps += 1
             probs = None if block.probs is None else block.probs.flatten(0, 1)
             return block.tokens.flatten(), probs
 

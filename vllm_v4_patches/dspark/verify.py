@@ -14,12 +14,27 @@ lossless.
 (``VLLM_V4_DSPARK_VERIFY_COST``) or, by default, from the engine's own step
 periods fitted as ``a + b * B`` over recent steps. Until the fit has enough
 samples, every draft is verified.
+
+Under async scheduling the drafts never reach the host: the scheduler reserves N
+placeholder slots per request and the runner fills them on the device. There the
+cut happens in the worker, on a copy of the step's scheduler output, just before
+the step runs (vLLM's V1 runner trims its GPU n-gram drafts the same way; to the
+scheduler an unverified draft is a rejected one). Reading the confidences of the
+drafts about to be verified would make the host wait for the device, so each
+request's lengths come from its confidences one draft step older
+(:class:`ConfidenceLag`), the paper's production idea of planning from stale
+confidences. Those were computed before the current draft was sampled, so the
+decision still never looks at it: lossless. A request with no older draft is
+scored as if every draft would survive.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
+import itertools
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable
@@ -122,3 +137,105 @@ def _steps_per_second(cost: StepCostModel) -> Callable[[int], float]:
 
 def truncate(draft_ids: list[list[int]], lengths: list[int]) -> list[list[int]]:
     return [ids[:length] for ids, length in zip(draft_ids, lengths, strict=True)]
+
+
+def survival_rows(
+    confidence: dict[str, list[float]], scheduled: dict[str, int]
+) -> list[list[float]]:
+    """Survival scores for the scheduled drafts of each request, in ``scheduled``'s
+    order: cumulative products of its lagged confidences, or ones without them."""
+    rows = []
+    for req_id, count in scheduled.items():
+        row = (confidence.get(req_id) or [1.0] * count)[:count]
+        row += [row[-1] if row else 1.0] * (count - len(row))
+        rows.append(list(itertools.accumulate(row, operator.mul)))
+    return rows
+
+
+def lagged_verify_lengths(
+    scheduled: dict[str, int], confidence: dict[str, list[float]], cost: StepCostModel
+) -> dict[str, int] | None:
+    """Per-request verify lengths for this step's scheduled drafts, or None (all)."""
+    from vllm_v4_patches.dspark.heads import choose_verify_lengths
+
+    if not scheduled or cost.seconds(1) is None:
+        return None
+    lengths = choose_verify_lengths(survival_rows(confidence, scheduled), _steps_per_second(cost))
+    return dict(zip(scheduled, lengths, strict=True))
+
+
+def trim_scheduled_drafts(scheduler_output: Any, lengths: dict[str, int]) -> tuple[Any, dict]:
+    """A copy of the scheduler output with each request's drafts cut to its length,
+    and the scheduled draft count of every request cut.
+
+    The engine core keeps its own object (in-process executors share it): its
+    bookkeeping counts every scheduled draft, and unverified ones as rejected.
+    """
+    drafts = dict(scheduler_output.scheduled_spec_decode_tokens)
+    tokens = dict(scheduler_output.num_scheduled_tokens)
+    scheduled_counts = {}
+    for req_id, length in lengths.items():
+        scheduled = drafts.get(req_id) or []
+        if length >= len(scheduled):
+            continue
+        scheduled_counts[req_id] = len(scheduled)
+        tokens[req_id] -= len(scheduled) - length
+        if length:
+            drafts[req_id] = scheduled[:length]
+        else:
+            del drafts[req_id]
+    if not scheduled_counts:
+        return scheduler_output, {}
+    trimmed = copy.copy(scheduler_output)
+    trimmed.scheduled_spec_decode_tokens = drafts
+    trimmed.num_scheduled_tokens = tokens
+    trimmed.total_num_scheduled_tokens = sum(tokens.values())
+    return trimmed, scheduled_counts
+
+
+class ConfidenceLag:
+    """The confidence heads' outputs of the last two draft steps, copied to the host
+    without waiting; :meth:`stale` gives the older one by request id.
+
+    ``capture`` is called as each engine step starts, with the drafter's newest
+    confidences (those of the drafts this step verifies) and the batch's request
+    ids in row order. The copy is queued behind the drafter on the device; the older
+    snapshot's copy finished a step ago, so waiting on it costs nothing, and every
+    rank of a tensor-parallel group picks the same snapshot.
+    """
+
+    def __init__(self) -> None:
+        self._captured_step = -1
+        self._newest: tuple[Any, list[str], Any] | None = None
+        self._older: tuple[Any, list[str], Any] | None = None
+
+    def capture(self, confidence: Any, req_ids: list[str], draft_step: int) -> None:
+        if confidence is None or draft_step == self._captured_step:
+            return
+        self._captured_step = draft_step
+        snapshot = None
+        if confidence.shape[0] >= len(req_ids):  # rows past the batch are padding
+            snapshot = (*_copy_to_host(confidence[: len(req_ids)]), list(req_ids))
+        self._older, self._newest = self._newest, snapshot
+
+    def stale(self) -> dict[str, list[float]]:
+        if self._older is None:
+            return {}
+        host, done, req_ids = self._older
+        if done is not None:
+            done.synchronize()
+        return dict(zip(req_ids, host.tolist(), strict=True))
+
+
+def _copy_to_host(confidence: Any) -> tuple[Any, Any]:
+    """(host tensor, event marking the copy's end or None) for a device tensor."""
+    import torch
+
+    values = confidence.detach().float()
+    if values.device.type != "cuda":
+        return values.clone(), None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
