@@ -86,7 +86,9 @@ RECORD = PatchRecord(
         "outcome as not-needed in each process that chooses V2. Optional "
         "(VLLM_V4_DSPARK_VERIFY=confidence): confidence-scheduled verification cuts "
         "each request's drafts to the prefix the paper's Algorithm 1 admits before "
-        "the scheduler sees them. "
+        "the scheduler sees them; under async scheduling (drafts stay on the device) "
+        "the worker cuts its copy of each step's scheduled drafts instead, planned "
+        "from the confidences one draft step older. "
         "While a DSpark runner builds attention metadata, the batch's request ids are "
         "published through vllm_v4_patches.request_ids."
     ),
