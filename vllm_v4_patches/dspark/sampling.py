@@ -7,16 +7,43 @@ model exposing ``compute_draft_logits`` (or ``compute_logits``), ``markov_embed`
 which is what vLLM's DSpark draft classes (0.25+) expose; a model with
 ``markov_step`` (the overlay's draft class: gated and rnn heads) gets each slot's
 hidden state and its own state through it.
+
+Greedy drafts of a vanilla Markov head on a CUDA device go through the fused
+kernel (``markov_kernel``) where it computes exactly what the loop would: the
+whole draft vocabulary's bias weight on this rank (tensor parallel size 1), no
+draft-to-target id map, an unquantized bias weight, logits neither scaled nor
+soft-capped. ``VLLM_V4_DSPARK_MARKOV_KERNEL=torch`` keeps the PyTorch loop.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm_v4_patches.dspark.heads import DraftBlock, sample_slot
 
 if TYPE_CHECKING:
     import torch
+
+KERNEL_SETTING = "VLLM_V4_DSPARK_MARKOV_KERNEL"
+KERNEL_CHOICES = ("auto", "torch")
+
+logger = logging.getLogger("vllm_v4_patches")
+
+
+def kernel_choice(env: dict[str, str] | None = None) -> str:
+    raw = (os.environ if env is None else env).get(KERNEL_SETTING, "").strip().lower()
+    if raw in KERNEL_CHOICES:
+        return raw
+    if raw:
+        logger.warning(
+            "vllm_v4_patches: %s=%r is not one of %s; using auto",
+            KERNEL_SETTING,
+            raw,
+            ", ".join(KERNEL_CHOICES),
+        )
+    return "auto"
 
 
 def temperatures_for(proposer: Any, sampling_metadata: Any) -> torch.Tensor | None:
@@ -52,6 +79,13 @@ def draft_with_markov_head(
     batch = anchors.shape[0]
     base_logits = _base_logits(model, hidden_states)
     base_logits = base_logits.view(batch, num_slots, base_logits.shape[-1])
+    if temperature is None:
+        tokens = fused_greedy_tokens(model, base_logits, anchors, hidden_states)
+        if tokens is not None:
+            previous = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
+            embeddings = model.markov_embed(previous.flatten()).view(batch, num_slots, -1)
+            confidence = _confidence(model, hidden_states, embeddings.unbind(1), batch)
+            return DraftBlock(tokens=tokens, probs=None, confidence=confidence)
     slot_hidden = hidden_states.view(batch, num_slots, hidden_states.shape[-1])
     step = getattr(model, "markov_step", None)  # gated/rnn heads need the hidden state
     previous, state = anchors, None
@@ -97,3 +131,56 @@ def _confidence(
         return None
     markov = torch.stack(embeddings, dim=1).flatten(0, 1)
     return model.compute_confidence(hidden_states, markov).view(batch, -1)
+
+
+def fused_greedy_tokens(
+    model: Any, base_logits: torch.Tensor, anchors: torch.Tensor, hidden_states: torch.Tensor
+) -> torch.Tensor | None:
+    """``[B, N]`` greedy drafts from the fused GPU kernel, or None where it does not apply."""
+    from vllm_v4_patches.dspark import markov_kernel
+
+    if kernel_choice() != "auto" or markov_kernel.pick_backend(base_logits) != "triton":
+        return None
+    weights = fusable_markov_weights(model, base_logits.shape[-1])
+    if weights is None:
+        return None
+    markov_w1, markov_w2 = weights
+    import torch
+
+    batch, num_slots, _ = base_logits.shape
+    hidden = hidden_states.view(batch, num_slots, -1)
+    # the kernel also scores a bias-free confidence head; the model's own head (bias,
+    # optional Markov input) is evaluated afterwards, so it is given zero weights
+    unused = torch.zeros(hidden.shape[-1] + markov_w1.shape[-1], device=hidden.device)
+    tokens, _ = markov_kernel.greedy_markov_draft(
+        base_logits, anchors.long(), markov_w1, markov_w2, hidden, unused
+    )
+    return tokens
+
+
+def fusable_markov_weights(model: Any, vocab: int) -> tuple[Any, Any] | None:
+    """``(markov_w1, markov_w2[:vocab])`` where the kernel computes what the loop
+    would (``markov_embed`` then ``markov_bias``), else None."""
+    head = getattr(getattr(model, "model", None), "markov_head", None)
+    if head is None or getattr(head, "kind", "vanilla") != "vanilla":
+        return None
+    if getattr(model, "draft_id_to_target_id", None) is not None:
+        return None  # drafts are draft-vocabulary ids; the next slot embeds target ids
+    processor = getattr(model, "logits_processor", None)
+    if getattr(processor, "scale", 1.0) != 1.0 or getattr(processor, "soft_cap", None):
+        return None
+    embed, project = getattr(head, "markov_w1", None), getattr(head, "markov_w2", None)
+    if embed is None or project is None:
+        return None
+    for layer in (embed, project):
+        if getattr(layer, "tp_size", 1) != 1:
+            return None
+        method = getattr(layer, "quant_method", None)
+        if method is not None and not type(method).__name__.startswith("Unquantized"):
+            return None
+    markov_w1, markov_w2 = embed.weight, project.weight
+    if not (markov_w2.is_floating_point() and markov_w2.shape[0] >= vocab):
+        return None
+    if markov_w1.shape[-1] != markov_w2.shape[-1]:
+        return None
+    return markov_w1, markov_w2[:vocab]
