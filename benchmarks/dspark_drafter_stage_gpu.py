@@ -102,8 +102,8 @@ def inputs(model, batch: int, dtype, device, seed: int):  # noqa: ANN001, ANN201
 def run_stage(model, hidden, anchors, choice: str):  # noqa: ANN001, ANN201
     from vllm_v4_patches.dspark import sampling
 
-    os.environ[sampling.KERNEL_SETTING] = choice
-    return sampling.draft_with_markov_head(model, hidden, anchors, SLOTS, None)
+    fused = sampling.kernel_choice({sampling.KERNEL_SETTING: choice}) == "auto"
+    return sampling.draft_with_markov_head(model, hidden, anchors, SLOTS, None, fused=fused)
 
 
 def timed(model, hidden, anchors, choice: str) -> float:  # noqa: ANN001

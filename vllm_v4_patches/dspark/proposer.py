@@ -92,7 +92,10 @@ def proposer_class() -> type:
             self.draft_method = "dspark"
             self.last_confidence: Any = None
             self._anchors: Any = None
+            from vllm_v4_patches.dspark.sampling import kernel_choice
+
             self.draft_steps = 0
+            self.fused_markov = kernel_choice() == "auto"  # read once, warned once
             settings = _verification_settings(runner)
             self.scheduled_verify, self.step_cost, self.confidence_lag = settings
             self.verify_lengths: dict[str, int] = {}  # request id -> drafts verified
@@ -161,6 +164,7 @@ def proposer_class() -> type:
                 self._anchors,
                 self.num_speculative_tokens,
                 sampling.temperatures_for(self, sampling_metadata),
+                fused=self.fused_markov,
             )
             self.last_confidence = block.confidence
             self.draft_steps += 1

@@ -30,6 +30,7 @@ KERNEL_SETTING = "VLLM_V4_DSPARK_MARKOV_KERNEL"
 KERNEL_CHOICES = ("auto", "torch")
 
 logger = logging.getLogger("vllm_v4_patches")
+_kernel_failed: list[Exception] = []  # the kernel's first failure in this process
 
 
 def kernel_choice(env: dict[str, str] | None = None) -> str:
@@ -68,6 +69,7 @@ def draft_with_markov_head(
     anchors: torch.Tensor,
     num_slots: int,
     temperature: torch.Tensor | None,
+    fused: bool = True,
 ) -> DraftBlock:
     """Draft ``num_slots`` tokens per request from the block's hidden states.
 
@@ -79,7 +81,7 @@ def draft_with_markov_head(
     batch = anchors.shape[0]
     base_logits = _base_logits(model, hidden_states)
     base_logits = base_logits.view(batch, num_slots, base_logits.shape[-1])
-    if temperature is None:
+    if temperature is None and fused:
         tokens = fused_greedy_tokens(model, base_logits, anchors, hidden_states)
         if tokens is not None:
             previous = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
@@ -139,7 +141,7 @@ def fused_greedy_tokens(
     """``[B, N]`` greedy drafts from the fused GPU kernel, or None where it does not apply."""
     from vllm_v4_patches.dspark import markov_kernel
 
-    if kernel_choice() != "auto" or markov_kernel.pick_backend(base_logits) != "triton":
+    if _kernel_failed or markov_kernel.pick_backend(base_logits) != "triton":
         return None
     weights = fusable_markov_weights(model, base_logits.shape[-1])
     if weights is None:
@@ -152,9 +154,18 @@ def fused_greedy_tokens(
     # the kernel also scores a bias-free confidence head; the model's own head (bias,
     # optional Markov input) is evaluated afterwards, so it is given zero weights
     unused = torch.zeros(hidden.shape[-1] + markov_w1.shape[-1], device=hidden.device)
-    tokens, _ = markov_kernel.greedy_markov_draft(
-        base_logits, anchors.long(), markov_w1, markov_w2, hidden, unused
-    )
+    try:
+        tokens, _ = markov_kernel.greedy_markov_draft(
+            base_logits, anchors.long(), markov_w1, markov_w2, hidden, unused
+        )
+    except Exception as exc:  # a kernel that cannot build here must not stop serving
+        _kernel_failed.append(exc)
+        logger.warning(
+            "vllm_v4_patches: dspark: the fused Markov kernel failed (%r); this process "
+            "drafts with the PyTorch loop from now on",
+            exc,
+        )
+        return None
     return tokens
 
 
