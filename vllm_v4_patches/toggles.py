@@ -52,6 +52,25 @@ def read_bool(name: str, default: bool, env: Mapping[str, str] | None = None) ->
     return default
 
 
+def read_choice(
+    name: str, choices: tuple[str, ...], consequence: str, env: Mapping[str, str] | None = None
+) -> str:
+    """One of ``choices`` (case-insensitive); unset, empty or anything else means the
+    first, and anything else also logs one warning ending in ``consequence``."""
+    raw = (os.environ if env is None else env).get(name, "").strip().lower()
+    if raw in choices:
+        return raw
+    if raw:
+        logger.warning(
+            "vllm_v4_patches: %s=%r is not one of %s; %s",
+            name,
+            raw,
+            ", ".join(choices),
+            consequence,
+        )
+    return choices[0]
+
+
 def globally_enabled(env: Mapping[str, str] | None = None) -> bool:
     return read_bool(GLOBAL_SWITCH, True, env)
 

@@ -18,7 +18,6 @@ soft-capped. ``VLLM_V4_DSPARK_MARKOV_KERNEL=torch`` keeps the PyTorch loop.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 from vllm_v4_patches.dspark.heads import DraftBlock, sample_slot
@@ -34,17 +33,9 @@ _kernel_failed: list[Exception] = []  # the kernel's first failure in this proce
 
 
 def kernel_choice(env: dict[str, str] | None = None) -> str:
-    raw = (os.environ if env is None else env).get(KERNEL_SETTING, "").strip().lower()
-    if raw in KERNEL_CHOICES:
-        return raw
-    if raw:
-        logger.warning(
-            "vllm_v4_patches: %s=%r is not one of %s; using auto",
-            KERNEL_SETTING,
-            raw,
-            ", ".join(KERNEL_CHOICES),
-        )
-    return "auto"
+    from vllm_v4_patches.toggles import read_choice
+
+    return read_choice(KERNEL_SETTING, KERNEL_CHOICES, "using auto", env)
 
 
 def temperatures_for(proposer: Any, sampling_metadata: Any) -> torch.Tensor | None:

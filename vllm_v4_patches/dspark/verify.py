@@ -49,17 +49,9 @@ logger = logging.getLogger("vllm_v4_patches")
 
 
 def verify_mode(env: dict[str, str] | None = None) -> str:
-    raw = (os.environ if env is None else env).get(MODE_SETTING, "").strip().lower()
-    if raw in MODES:
-        return raw
-    if raw:
-        logger.warning(
-            "vllm_v4_patches: %s=%r is not one of %s; verifying every draft",
-            MODE_SETTING,
-            raw,
-            ", ".join(MODES),
-        )
-    return "all"
+    from vllm_v4_patches.toggles import read_choice
+
+    return read_choice(MODE_SETTING, MODES, "verifying every draft", env)
 
 
 def fixed_cost(env: dict[str, str] | None = None) -> tuple[float, float] | None:
