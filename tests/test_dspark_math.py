@@ -741,6 +741,33 @@ def test_scheduler_single_request_and_ties() -> None:
         heads.choose_verify_lengths([[0.5, 0.6]], lambda b: 1.0)
 
 
+def test_vectorised_scheduler_equals_algorithm_one() -> None:
+    """The serving path's vectorised chooser against the reference loop, with linear
+    step costs (flat, steep, fitted-looking), ragged rows, ties and zero survival."""
+    gen = torch.Generator().manual_seed(11)
+    costs = [(1.0, 0.0), (1.0, 1.0), (0.02, 0.0005), (0.0, 0.01), (0.5, 0.02)]
+    for trial in range(300):
+        num_requests = int(torch.randint(1, 12, (1,), generator=gen))
+        rows = []
+        for _ in range(num_requests):
+            length = int(torch.randint(0, 6, (1,), generator=gen))
+            confidence = torch.rand(length, generator=gen, dtype=DTYPE)
+            if trial % 3 == 0:  # coarse values: ties across requests and slots
+                confidence = (confidence * 4).round() / 4
+            rows.append(torch.cumprod(confidence, 0).tolist())
+        step, token = costs[trial % len(costs)]
+
+        def sps(batch_tokens: int, step=step, token=token) -> float:
+            seconds = step + token * batch_tokens
+            return 1.0 / seconds if seconds > 0 else 0.0
+
+        expected = heads.choose_verify_lengths(rows, sps)
+        assert heads.choose_verify_lengths_linear(rows, step, token) == expected, (rows, step)
+    assert heads.choose_verify_lengths_linear([], 1.0, 0.0) == []
+    with pytest.raises(ValueError, match="request 1 increases"):
+        heads.choose_verify_lengths_linear([[0.5], [0.5, 0.6]], 1.0, 0.0)
+
+
 @pytest.mark.parametrize("verifier_name", VERIFIERS)
 def test_scheduled_verification_is_lossless(
     verifier_name: str, request: pytest.FixtureRequest

@@ -20,6 +20,7 @@ overlay stays import-light; every function imports torch itself.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -404,6 +405,44 @@ def choose_verify_lengths(
             best_objective = candidate_objective
             best_lengths = list(lengths)
     return best_lengths
+
+
+def choose_verify_lengths_linear(
+    survival_rows: Sequence[Sequence[float]], step_seconds: float, token_seconds: float
+) -> list[int]:
+    """:func:`choose_verify_lengths` for ``SPS(B) = 1 / (step + token * B)``, vectorised.
+
+    The same admissions, in the same order and with the same floating-point sums
+    (a sequential cumulative sum and ``(tau) * (1 / seconds)``), so the same lengths;
+    rows may differ in length. Serving uses this: at batch 256 and N = 5 the loop's
+    1280 admissions cost about a millisecond of host time per step.
+    """
+    import numpy as np
+
+    num_requests = len(survival_rows)
+    if num_requests == 0:
+        return []
+    counts = np.fromiter(map(len, survival_rows), dtype=np.int64, count=num_requests)
+    values = np.fromiter(itertools.chain.from_iterable(survival_rows), dtype=np.float64)
+    requests = np.repeat(np.arange(num_requests), counts)
+    slots = np.arange(len(values)) - np.repeat(np.cumsum(counts) - counts, counts)
+    rising = np.nonzero((np.diff(values) > 0) & (requests[1:] == requests[:-1]))[0]
+    if rising.size:
+        request = int(requests[rising[0]])
+        raise ValueError(
+            f"survival of request {request} increases along the block: "
+            f"{list(survival_rows[request])}"
+        )
+    order = np.lexsort((requests, slots, -values))
+    batch_tokens = num_requests + np.arange(len(order) + 1, dtype=np.float64)
+    seconds = step_seconds + token_seconds * batch_tokens
+    steps_per_second = np.divide(1.0, seconds, out=np.zeros_like(seconds), where=seconds > 0)
+    # summed from the request count onwards, one admission at a time, as the loop does
+    expected = np.cumsum(np.concatenate([[float(num_requests)], values[order]]))
+    objective = expected * steps_per_second
+    stops = np.nonzero(objective[1:] <= objective[:-1])[0]
+    admitted = int(stops[0]) if stops.size else len(order)
+    return np.bincount(requests[order[:admitted]], minlength=num_requests).tolist()
 
 
 # ---------------------------------------------------------------------------- verifying

@@ -37,7 +37,6 @@ import logging
 import operator
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 MODE_SETTING = "VLLM_V4_DSPARK_VERIFY"
@@ -90,12 +89,16 @@ class StepCostModel:
             self.samples.append((self._last_tokens, now - self._last_start))
         self._last_start, self._last_tokens = now, tokens
 
-    def seconds(self, tokens: int) -> float | None:
+    def coefficients(self) -> tuple[float, float] | None:
+        """``(seconds per step, seconds per token)``; None until there is a fit."""
         if self.fixed is not None:
             step_ms, token_ms = self.fixed
-            return (step_ms + token_ms * tokens) / 1e3
-        fit = self._fit()
-        return None if fit is None else fit[0] + fit[1] * tokens
+            return step_ms / 1e3, token_ms / 1e3
+        return self._fit()
+
+    def seconds(self, tokens: int) -> float | None:
+        coefficients = self.coefficients()
+        return None if coefficients is None else coefficients[0] + coefficients[1] * tokens
 
     def _fit(self) -> tuple[float, float] | None:
         if len(self.samples) < MIN_SAMPLES or len({t for t, _ in self.samples}) < 2:
@@ -111,20 +114,19 @@ class StepCostModel:
 
 def verify_lengths(confidence: Any, cost: StepCostModel) -> list[int] | None:
     """Per-request verify lengths for ``confidence [R, N]``, or None to verify all."""
-    from vllm_v4_patches.dspark.heads import choose_verify_lengths, survival
+    from vllm_v4_patches.dspark.heads import survival
 
-    if cost.seconds(1) is None:
+    return _plan(survival(confidence.float()).tolist(), cost)
+
+
+def _plan(survival_rows: list[list[float]], cost: StepCostModel) -> list[int] | None:
+    """Algorithm 1 under the cost model's ``SPS(B)``; None while it has no estimate."""
+    from vllm_v4_patches.dspark.heads import choose_verify_lengths_linear
+
+    coefficients = cost.coefficients()
+    if coefficients is None:
         return None
-    scores = survival(confidence.float()).tolist()
-    return choose_verify_lengths(scores, _steps_per_second(cost))
-
-
-def _steps_per_second(cost: StepCostModel) -> Callable[[int], float]:
-    def steps_per_second(tokens: int) -> float:
-        seconds = cost.seconds(tokens)
-        return 0.0 if not seconds or seconds <= 0 else 1.0 / seconds
-
-    return steps_per_second
+    return choose_verify_lengths_linear(survival_rows, *coefficients)
 
 
 def truncate(draft_ids: list[list[int]], lengths: list[int]) -> list[list[int]]:
@@ -148,12 +150,8 @@ def lagged_verify_lengths(
     scheduled: dict[str, int], confidence: dict[str, list[float]], cost: StepCostModel
 ) -> dict[str, int] | None:
     """Per-request verify lengths for this step's scheduled drafts, or None (all)."""
-    from vllm_v4_patches.dspark.heads import choose_verify_lengths
-
-    if not scheduled or cost.seconds(1) is None:
-        return None
-    lengths = choose_verify_lengths(survival_rows(confidence, scheduled), _steps_per_second(cost))
-    return dict(zip(scheduled, lengths, strict=True))
+    lengths = _plan(survival_rows(confidence, scheduled), cost) if scheduled else None
+    return None if lengths is None else dict(zip(scheduled, lengths, strict=True))
 
 
 def trim_scheduled_drafts(scheduler_output: Any, lengths: dict[str, int]) -> tuple[Any, dict]:
