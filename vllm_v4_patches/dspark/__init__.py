@@ -520,8 +520,8 @@ def cut_scheduled_drafts(runner: Any, drafter: Any, scheduler_output: Any) -> tu
 
     lag = drafter.confidence_lag
     lag.capture(drafter.last_confidence, runner.input_batch.req_ids, drafter.draft_steps)
-    if _has_structured_output(scheduler_output):
-        return scheduler_output, {}  # the grammar bitmask is laid out for every draft
+    if drafter.last_confidence is None or _laid_out_for_every_draft(scheduler_output):
+        return scheduler_output, {}
     scheduled = {
         req_id: len(drafts)
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items()
@@ -536,10 +536,13 @@ def cut_scheduled_drafts(runner: Any, drafter: Any, scheduler_output: Any) -> tu
     return verify.trim_scheduled_drafts(scheduler_output, lengths)
 
 
-def _has_structured_output(scheduler_output: Any) -> bool:
+def _laid_out_for_every_draft(scheduler_output: Any) -> bool:
+    """Whether the engine core built more of this step around its scheduled drafts
+    than the runner's inputs: a grammar bitmask, or a KV connector's plan."""
     return bool(
         getattr(scheduler_output, "has_structured_output_requests", False)
         or getattr(scheduler_output, "structured_output_request_ids", None)
+        or getattr(scheduler_output, "kv_connector_metadata", None) is not None
     )
 
 

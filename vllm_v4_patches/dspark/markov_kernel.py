@@ -554,6 +554,7 @@ def _launch_tile_argmax(
 
 
 @functools.cache
+@functools.cache
 def _sm_count(device_index: int) -> int:
     """Multiprocessors of a CUDA device, read once (the persistent grids' size)."""
     import torch
