@@ -43,6 +43,7 @@ MODE_SETTING = "VLLM_V4_DSPARK_VERIFY"
 COST_SETTING = "VLLM_V4_DSPARK_VERIFY_COST"
 MODES = ("all", "confidence")
 MIN_SAMPLES = 8
+VECTORISE_ABOVE_SLOTS = 64
 
 logger = logging.getLogger("vllm_v4_patches")
 
@@ -120,13 +121,25 @@ def verify_lengths(confidence: Any, cost: StepCostModel) -> list[int] | None:
 
 
 def _plan(survival_rows: list[list[float]], cost: StepCostModel) -> list[int] | None:
-    """Algorithm 1 under the cost model's ``SPS(B)``; None while it has no estimate."""
-    from vllm_v4_patches.dspark.heads import choose_verify_lengths_linear
+    """Algorithm 1 under the cost model's ``SPS(B)``; None while it has no estimate.
+
+    Both choosers give the same lengths; below about 64 slots numpy's fixed cost
+    makes the plain loop the faster one.
+    """
+    from vllm_v4_patches.dspark.heads import choose_verify_lengths, choose_verify_lengths_linear
 
     coefficients = cost.coefficients()
     if coefficients is None:
         return None
-    return choose_verify_lengths_linear(survival_rows, *coefficients)
+    if sum(map(len, survival_rows)) > VECTORISE_ABOVE_SLOTS:
+        return choose_verify_lengths_linear(survival_rows, *coefficients)
+    step, token = coefficients
+
+    def steps_per_second(batch_tokens: int) -> float:
+        seconds = step + token * batch_tokens
+        return 1.0 / seconds if seconds > 0 else 0.0
+
+    return choose_verify_lengths(survival_rows, steps_per_second)
 
 
 def truncate(draft_ids: list[list[int]], lengths: list[int]) -> list[list[int]]:
