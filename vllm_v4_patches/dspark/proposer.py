@@ -61,19 +61,42 @@ def _verification_settings(runner: Any) -> tuple[bool, Any, Any]:
     return True, cost, verify.ConfidenceLag()
 
 
-def serve_markov_variants_with_overlay_class(hf_config: Any) -> None:
-    """Give a gated or rnn draft the overlay's draft class where vLLM's would load it.
+def serve_with_overlay_class_where_needed(hf_config: Any, needs_confidence: bool) -> None:
+    """Give a DeepSpec Qwen3 draft the overlay's draft class where vLLM's would not
+    serve all of it.
 
-    vLLM's own DSpark Qwen3 class (0.25+) has the vanilla Markov head only and
-    fails on the other heads' tensors; its loader resolves the class from the
-    draft's ``hf_config.architectures``. Drafts marked by the 0.20-0.24 route
-    already resolve to the overlay's class.
+    vLLM's own DSpark Qwen3 class (0.25+) has the vanilla Markov head only and fails
+    on the other heads' tensors, and before 0.28 it has no confidence head, which
+    confidence-scheduled verification (``needs_confidence``) plans from. Its loader
+    resolves the class from the draft's ``hf_config.architectures``. Drafts marked
+    by the 0.20-0.24 route already resolve to the overlay's class; other draft
+    architectures are left to vLLM.
     """
-    from vllm_v4_patches.dspark import DRAFT_METHOD_MARK, OVERLAY_ARCHITECTURE
+    from vllm_v4_patches.dspark import DRAFT_METHOD_MARK, DSPARK_ARCHITECTURE, OVERLAY_ARCHITECTURE
 
+    if getattr(hf_config, DRAFT_METHOD_MARK, None) is not None:
+        return
+    if DSPARK_ARCHITECTURE not in (getattr(hf_config, "architectures", None) or []):
+        return
     kind = getattr(hf_config, "markov_head_type", None) or "vanilla"
-    if kind != "vanilla" and getattr(hf_config, DRAFT_METHOD_MARK, None) is None:
+    has_confidence = bool(getattr(hf_config, "enable_confidence_head", False))
+    scores_confidence = has_confidence and needs_confidence
+    if kind != "vanilla" or (scores_confidence and not _native_class_scores_confidence()):
         hf_config.architectures = [OVERLAY_ARCHITECTURE]
+
+
+def _scores_confidence(model: Any) -> bool:
+    return getattr(getattr(model, "model", None), "confidence_head", None) is not None
+
+
+def _native_class_scores_confidence() -> bool:
+    import importlib
+
+    try:
+        module = importlib.import_module("vllm.model_executor.models.qwen3_dspark")
+    except ImportError:
+        return False
+    return hasattr(getattr(module, "Qwen3DSparkForCausalLM", None), "compute_confidence")
 
 
 @functools.cache
@@ -105,9 +128,19 @@ def proposer_class() -> type:
         def load_model(self, target_model: Any) -> None:
             from vllm_v4_patches.dspark.context_norm import fix_context_k_norm
 
-            serve_markov_variants_with_overlay_class(self.draft_model_config.hf_config)
+            draft_config = self.draft_model_config.hf_config
+            serve_with_overlay_class_where_needed(draft_config, self.scheduled_verify)
             super().load_model(target_model)
             fix_context_k_norm(self.model)
+            if self.scheduled_verify and not _scores_confidence(self.model):
+                from vllm_v4_patches.dspark import verify
+
+                verify.logger.warning(
+                    "vllm_v4_patches: %s=confidence needs a draft with a confidence head "
+                    "(enable_confidence_head); this one has none, so every draft is verified",
+                    verify.MODE_SETTING,
+                )
+                self.scheduled_verify, self.confidence_lag = False, None
 
         def _init_parallel_drafting_params(self) -> None:
             try:
