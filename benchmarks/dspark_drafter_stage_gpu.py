@@ -16,7 +16,7 @@ For each batch: greedy tokens of the fused path must equal the loop's exactly an
 the confidences agree within 1e-5; then the two paths (``VLLM_V4_DSPARK_MARKOV_KERNEL``
 auto and torch) are timed two ways, alternating, medians:
   * eager, as V1's drafter runs them: one synchronised call (host launch cost included;
-    Triton's Python launcher costs about 0.1 ms a launch, and the fused path makes N + 2);
+    Triton's Python launcher costs some 50-80 us a launch, and the fused path makes N + 1);
   * device time: each path captured in a CUDA graph and replayed, timed by events
     (what the stage costs the GPU when the host runs ahead, as under async scheduling).
 JSON goes to $OUT when it is set.
