@@ -209,8 +209,9 @@ class ConfidenceLag:
 
     def __init__(self) -> None:
         self._captured_step = -1
-        self._newest: tuple[Any, list[str], Any] | None = None
-        self._older: tuple[Any, list[str], Any] | None = None
+        # (host confidences, the copy's end event or None, request ids in row order)
+        self._newest: tuple[Any, Any, list[str]] | None = None
+        self._older: tuple[Any, Any, list[str]] | None = None
 
     def capture(self, confidence: Any, req_ids: list[str], draft_step: int) -> None:
         if confidence is None or draft_step == self._captured_step:
