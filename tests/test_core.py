@@ -415,3 +415,37 @@ def test_a_patch_restates_its_outcome_once_it_learns_more(
     runtime.revert("synthetic")
     patcher.restate("not-needed", "too late")
     assert outcome(runtime) == ("disabled", "reverted in this process")
+
+
+def run_engine_core() -> None:
+    """Named as vLLM's engine-core entry point; runs in a forked child."""
+    from vllm_v4_patches import runtime as runtime_module
+
+    runtime_module.on_engine_start()  # what vLLM's plugin loading triggers there
+
+
+def test_a_forked_vllm_process_reports_under_its_own_role(target_module, tmp_path, monkeypatch):
+    """vLLM forks its EngineCore where CUDA is not initialised yet (the GPU default),
+    after the front end has reported. The child must log and write its own status,
+    as engine-core, whatever name its process was given."""
+    import multiprocessing
+    import os
+
+    from vllm_v4_patches import runtime as runtime_module
+
+    monkeypatch.setenv("VLLM_V4_PATCHES_STATUS_DIR", str(tmp_path))
+    runtime = activate(make_patch(target_module))
+    importlib.import_module(target_module)
+    monkeypatch.setattr(runtime_module, "_runtime", runtime)
+    os.register_at_fork(after_in_child=runtime_module._after_fork)
+    runtime.report_once()
+    child = multiprocessing.get_context("fork").Process(target=run_engine_core, name="Process-9")
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    roles = {doc["pid"]: doc["role"] for doc in map(json.loads, _status_texts(tmp_path))}
+    assert roles == {os.getpid(): "front-end", child.pid: "engine-core"}
+
+
+def _status_texts(directory) -> list[str]:
+    return [path.read_text() for path in sorted(directory.glob("*.json"))]

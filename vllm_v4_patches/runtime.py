@@ -369,8 +369,12 @@ def vllm_plugin() -> None:
 
 
 def _after_fork() -> None:
-    if _runtime is not None and _runtime.reported:
-        _runtime._write_status_file(_runtime.document())
+    # A forked child (vLLM forks its EngineCore and workers where CUDA is not yet
+    # initialised) is a process of its own: it reports when vLLM loads its plugins
+    # there, by which time multiprocessing has given it its own identity; right
+    # after fork it still carries the parent's.
+    if _runtime is not None:
+        _runtime.reported = False
 
 
 def current() -> Runtime | None:

@@ -36,9 +36,19 @@ class PatchStatus:
         return {"outcome": self.outcome, "detail": self.detail}
 
 
+# vLLM's process entry points: a process started through multiprocessing keeps its
+# target, whatever name the start method or platform left it with
+ROLE_BY_ENTRY_POINT = {"run_engine_core": "engine-core", "worker_main": "worker"}
+
+
 def process_role() -> str:
-    """front-end, engine-core or worker, from the names vLLM gives its processes."""
-    name = multiprocessing.current_process().name
+    """front-end, engine-core or worker: from the vLLM function this process was
+    started to run, else from the names vLLM gives its processes."""
+    process = multiprocessing.current_process()
+    entry = getattr(getattr(process, "_target", None), "__name__", None)
+    if entry in ROLE_BY_ENTRY_POINT:
+        return ROLE_BY_ENTRY_POINT[entry]
+    name = process.name
     if name == "MainProcess":
         main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         if main_spec is not None and main_spec.name == "vllm.model_executor.models.registry":
