@@ -3,6 +3,10 @@
 Run as a script (vLLM spawns processes, hence the __main__ guard):
 
     python tools/generate.py MODEL_DIR [--no-eager] [--max-tokens N] [--prompts ...]
+
+On a GPU, ``--dtype bfloat16`` reaches the FlashAttention builders (float32 takes
+another backend), ``--kv-cache-gib`` fixes the KV cache so several engines share
+one GPU, and ``--bench-batches`` times steady-state throughput after the checked run.
 """
 
 from __future__ import annotations
@@ -42,36 +46,46 @@ def generate(
     eager: bool,
     ngram: bool = False,
     eagle: str | None = None,
-    async_scheduling: bool = False,
+    async_scheduling: bool | None = None,
     dspark: str | None = None,
     spec_tokens: int = 4,
     temperature: float = 0.0,
     seed: int = 0,
     draft_sample_method: str | None = None,
+    dtype: str = "float32",
+    kv_cache_gib: float | None = None,
+    bench_batches: tuple[int, ...] = (),
 ) -> dict:
     from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
 
-    if async_scheduling:
+    if async_scheduling and current_platform.is_cpu():
         force_async_scheduling()
     speculative = NGRAM if ngram else None
     if eagle:
         speculative = {"method": "eagle", "model": eagle, "num_speculative_tokens": 3}
     if dspark:
         speculative = {"method": "dspark", "model": dspark, "num_speculative_tokens": spec_tokens}
-        # collective_rpc ships dspark_verify_counts to the worker by value
+        # collective_rpc ships dspark_drafter_stats to the worker by value
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if draft_sample_method:
             speculative["draft_sample_method"] = draft_sample_method
+    memory = {}
+    if kv_cache_gib:
+        # a fixed KV cache skips the profile that sizes it from free memory, which
+        # other engines on the same GPU would make meaningless
+        memory = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30), "gpu_memory_utilization": 0.1}
     started = time.perf_counter()
     llm = LLM(
         model=model,
-        dtype="float32",
+        dtype=dtype,
+        **memory,
         max_model_len=256,
         enforce_eager=eager,
         seed=0,
         load_format="auto",
         speculative_config=speculative,
-        async_scheduling=async_scheduling or None,
+        async_scheduling=async_scheduling,
         disable_log_stats=False,
     )
     ready = time.perf_counter()
@@ -86,7 +100,8 @@ def generate(
     outputs = llm.generate(prompts, params, use_tqdm=False)
     done = time.perf_counter()
     engine_config = getattr(llm.llm_engine, "vllm_config", None)
-    verify_counts = llm.collective_rpc(dspark_verify_counts)[0] if dspark else None
+    drafter = llm.collective_rpc(dspark_drafter_stats)[0] if dspark else None
+    bench = {str(batch): tokens_per_second(llm, batch, max_tokens) for batch in bench_batches}
     return {
         "async_scheduling": bool(engine_config and engine_config.scheduler_config.async_scheduling),
         "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
@@ -94,14 +109,37 @@ def generate(
         "init_s": ready - started,
         "generate_s": done - ready,
         "spec_decode": spec_decode_counters(llm),
-        "dspark_verify": verify_counts,
+        "dspark_verify": drafter and drafter["verify_counts"],
+        "dspark_drafter": drafter,
+        "tokens_per_s": bench,
     }
 
 
-def dspark_verify_counts(worker) -> dict | None:  # noqa: ANN001
+def dspark_drafter_stats(worker) -> dict:  # noqa: ANN001
     """Runs in the worker: the overlay drafter's scheduled and verified draft counts
-    (where confidence-scheduled verification cut drafts), or None."""
-    return getattr(worker.model_runner.drafter, "verify_counts", None)
+    (where confidence-scheduled verification cut drafts) and how many of its draft
+    steps the fused Markov kernel drafted; None for what the drafter lacks."""
+    drafter = getattr(worker.model_runner, "drafter", None)
+    names = ("verify_counts", "draft_steps", "fused_draft_steps")
+    return {name: getattr(drafter, name, None) for name in names}
+
+
+def tokens_per_second(llm, batch: int, max_tokens: int, rounds: int = 3) -> dict:  # noqa: ANN001
+    """Greedy decode throughput at ``batch`` requests: the first round (warm-up,
+    compilation included) and the median of the later ones."""
+    import statistics
+
+    from vllm import SamplingParams
+
+    prompts = [f"def f{i}(" for i in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    seconds = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - started)
+    steady = statistics.median(seconds[1:])
+    return {"first_s": seconds[0], "steady_s": steady, "tok_s": batch * max_tokens / steady}
 
 
 def spec_decode_counters(llm) -> dict:  # noqa: ANN001
@@ -121,13 +159,24 @@ def main() -> None:
     parser.add_argument("--prompts", nargs="*", default=DEFAULT_PROMPTS)
     parser.add_argument("--ngram", action="store_true", help="ngram speculative decoding")
     parser.add_argument("--eagle", help="EAGLE speculative decoding with this draft")
-    parser.add_argument("--async-scheduling", action="store_true", help="forced on, even on CPU")
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        default=None,
+        help="forced on, even on CPU (default: vLLM decides)",
+    )
+    parser.add_argument(
+        "--sync-scheduling", dest="async_scheduling", action="store_false", help="forced off"
+    )
     parser.add_argument("--dspark", help="DSpark speculative decoding with this draft")
     parser.add_argument("--spec-tokens", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"])
     parser.add_argument("--repeat", type=int, default=1, help="each prompt this many times")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-gib", type=float, help="a fixed KV cache (GPU sharing)")
+    parser.add_argument("--bench-batches", type=int, nargs="*", default=[])
     args = parser.parse_args()
     result = generate(
         args.model,
@@ -142,6 +191,9 @@ def main() -> None:
         args.temperature,
         args.seed,
         args.draft_sample_method,
+        args.dtype,
+        args.kv_cache_gib,
+        tuple(args.bench_batches),
     )
     print("RESULT " + json.dumps(result))
 

@@ -110,14 +110,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("--ngram", action="store_true", help="speculative decoding: q > 1")
+    parser.add_argument("--dtype", default="float32", help="bfloat16 reaches FlashAttention")
+    parser.add_argument("--kv-cache-gib", type=float, help="a fixed KV cache (GPU sharing)")
     options = parser.parse_args()
     # collective_rpc ships the inspection function to the worker by value
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
 
+    memory = {}
+    if options.kv_cache_gib:
+        memory = {
+            "kv_cache_memory_bytes": int(options.kv_cache_gib * 2**30),
+            "gpu_memory_utilization": 0.1,
+        }
     llm = LLM(
         model=options.model,
-        dtype="float32",
+        dtype=options.dtype,
+        **memory,
         max_model_len=256,
         enforce_eager=True,
         seed=0,

@@ -95,6 +95,7 @@ class DraftBlock:
     tokens: torch.Tensor  # [B, N] int64
     probs: torch.Tensor | None  # [B, N, V]
     confidence: torch.Tensor | None  # [B, N]
+    fused: bool = False  # drafted by the fused GPU kernel rather than the loop
 
 
 @dataclass(frozen=True)

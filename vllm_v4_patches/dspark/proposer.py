@@ -118,6 +118,7 @@ def proposer_class() -> type:
             from vllm_v4_patches.dspark.sampling import kernel_choice
 
             self.draft_steps = 0
+            self.fused_draft_steps = 0  # of draft_steps, those the fused kernel drafted
             self.fused_markov = kernel_choice() == "auto"  # read once, warned once
             settings = _verification_settings(runner)
             self.scheduled_verify, self.step_cost, self.confidence_lag = settings
@@ -201,6 +202,7 @@ def proposer_class() -> type:
             )
             self.last_confidence = block.confidence
             self.draft_steps += 1
+            self.fused_draft_steps += block.fused
             probs = None if block.probs is None else block.probs.flatten(0, 1)
             return block.tokens.flatten(), probs
 

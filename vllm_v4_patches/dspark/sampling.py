@@ -78,7 +78,7 @@ def draft_with_markov_head(
             previous = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
             embeddings = model.markov_embed(previous.flatten()).view(batch, num_slots, -1)
             confidence = _confidence(model, hidden_states, embeddings.unbind(1), batch)
-            return DraftBlock(tokens=tokens, probs=None, confidence=confidence)
+            return DraftBlock(tokens=tokens, probs=None, confidence=confidence, fused=True)
     slot_hidden = hidden_states.view(batch, num_slots, hidden_states.shape[-1])
     step = getattr(model, "markov_step", None)  # gated/rnn heads need the hidden state
     previous, state = anchors, None
