@@ -12,7 +12,7 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE := 1
 export VLLM_HOST_IP := 127.0.0.1
 
-.PHONY: venv model lint test test-fast demo bench clean
+.PHONY: venv model lint test test-fast demo bench gpu-stage clean
 
 venv: $(VENV)/.ready
 
@@ -53,6 +53,10 @@ bench: venv model
 	$(PY) benchmarks/throughput.py $(MODEL)
 	$(PY) benchmarks/embedding_op.py
 	PYTHONPATH=. $(PY) benchmarks/dspark_cpu.py .cache/models/tiny-qwen3 $(DSPARK_DRAFT)
+
+# wheels of one stock vLLM release for the lent H200, in carryable chunks (docs/testing.md)
+gpu-stage: venv
+	$(PY) tools/gpu/stage.py $(VERSION)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -51,7 +51,8 @@ def _matrix(as_json: bool) -> int:
     matrix = compat.load_matrix()
     installed = compat.matrix_key(versions.detect().raw)
     if as_json:
-        print(json.dumps({"installed": installed, **matrix}, indent=1, sort_keys=True))
+        gpu = compat.load_gpu_results()["versions"]
+        print(json.dumps({"installed": installed, **matrix, "gpu": gpu}, indent=1, sort_keys=True))
         return 0
     print(compat.markdown_table(matrix, mark=installed))
     if installed not in matrix["versions"]:

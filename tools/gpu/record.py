@@ -1,0 +1,133 @@
+"""Record GPU suite runs: keep the raw run, and merge its verdicts into the results file.
+
+    python tools/gpu/record.py RUN_DIR [RUN_DIR ...]    # oldest first
+
+A run directory is what ``tools/gpu/suite.py`` wrote under ``$OUT``
+(``gpu-results-<version>.json`` and ``logs-<version>.tar.gz``). Each run is copied
+to ``docs/gpu-runs/<date>/`` and its checks are evaluated again with the suite's
+current checks from what the run saved (outputs, logs, status files), so a check
+that was corrected later reads the same evidence anew; a check the run cannot
+answer again keeps its recorded verdict. A later run's verdict on a check replaces
+an earlier one; a check a later run did not run keeps the earlier verdict.
+``vllm_v4_patches/gpu_results.json`` holds the merge: per release, the GPU, torch,
+each check with pass/fail, its figure and its date, and the throughput figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tarfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+RESULTS = REPO / "vllm_v4_patches" / "gpu_results.json"
+RUNS = REPO / "docs" / "gpu-runs"
+sys.path.insert(0, str(HERE))
+
+from suite import CHECKS, Outcome, evaluate  # noqa: E402
+
+
+def outcomes_of(run: dict, logs: Path) -> dict[str, Outcome]:
+    texts = {}
+    with tarfile.open(logs) as archive:
+        for member in archive.getmembers():
+            texts[member.name.removesuffix(".log")] = archive.extractfile(member).read().decode()
+    saved = run.get("statuses")
+    return {
+        name: Outcome(
+            run["results"].get(name),
+            saved.get(name) if saved is not None else None,
+            texts.get(name, ""),
+            job["seconds"],
+            job["returncode"],
+        )
+        for name, job in run["jobs"].items()
+    }
+
+
+def throughput(run: dict) -> dict:
+    """tok/s with and without DSpark per batch, and their ratio, where both ran."""
+    plain = (run["results"].get("bench-nospec") or {}).get("tokens_per_s") or {}
+    dspark = (run["results"].get("bench-dspark") or {}).get("tokens_per_s") or {}
+    return {
+        batch: {
+            "no_speculation_tok_s": round(plain[batch]["tok_s"]),
+            "dspark_tok_s": round(dspark[batch]["tok_s"]),
+            "ratio": round(dspark[batch]["tok_s"] / plain[batch]["tok_s"], 2),
+            "dspark_first_round_s": round(dspark[batch]["first_s"], 2),
+        }
+        for batch in plain
+        if batch in dspark
+    }
+
+
+def record(run_dir: Path, results: dict) -> None:
+    """Keep the run under docs/gpu-runs and merge it into ``results``."""
+    [run_file] = run_dir.glob("gpu-results-*.json")
+    run = json.loads(run_file.read_text())
+    version = run["vllm"]
+    kept = RUNS / run["date"]
+    kept.mkdir(parents=True, exist_ok=True)
+    serial = len(list(kept.glob(f"{version}-*.json"))) + 1
+    kept_as = kept / f"{version}-{serial}.json"
+    shutil.copyfile(run_file, kept_as)
+    shutil.copyfile(run_file.with_name(f"logs-{version}.tar.gz"), logs_of(kept_as))
+    merge(results, kept_as)
+
+
+def logs_of(kept_run: Path) -> Path:
+    return kept_run.with_name(kept_run.name.removesuffix(".json") + ".logs.tar.gz")
+
+
+def recorded_runs() -> list[Path]:
+    """The kept runs, oldest first (by date, then serial within a release)."""
+    return sorted(
+        RUNS.glob("*/*.json"),
+        key=lambda p: (p.parent.name, p.name.split("-")[0], int(p.stem.split("-")[-1])),
+    )
+
+
+def merge(results: dict, kept_run: Path) -> None:
+    """Merge one kept run's verdicts, evaluated again with the current checks."""
+    run = json.loads(kept_run.read_text())
+    version = run["vllm"]
+    entry = results["versions"].setdefault(version, {"checks": {}, "throughput": {}})
+    entry.update(gpu=run["gpu"], torch=run["torch"], cuda=run["driver_cuda"])
+    # a check the suite no longer has was a mistake of the harness: it is dropped
+    recorded = {row["check"]: row for row in run["checks"] if row["check"] in CHECKS}
+    recorded.update({row["check"]: row for row in evaluate(outcomes_of(run, logs_of(kept_run)))})
+    for name, row in recorded.items():
+        if row["passed"] is not None:
+            entry["checks"][name] = {
+                "passed": row["passed"],
+                "figure": row["figure"],
+                "date": run["date"],
+                "run": kept_run.relative_to(REPO).as_posix(),
+            }
+    if throughput(run):
+        entry["throughput"] = {"date": run["date"], "by_batch": throughput(run)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    args = parser.parse_args()
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"versions": {}}
+    results["generated_by"] = "python tools/gpu/record.py (do not edit by hand)"
+    for run_dir in args.runs:
+        record(run_dir, results)
+    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    for version, entry in sorted(results["versions"].items()):
+        checks = entry["checks"].values()
+        print(f"{version}: {sum(c['passed'] for c in checks)}/{len(checks)} checks pass")
+        for name, check in entry["checks"].items():
+            if not check["passed"]:
+                print(f"  FAIL {name}: {check['figure'][:160]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root (see docs/testing.md, "GPU harness"):
+#   tools/gpu/run.sh receive VERSION        keep the chunk(s) this call carried
+#   tools/gpu/run.sh install VERSION        install the release (once) under /tmp/gpu-site
+#   tools/gpu/run.sh suite VERSION [ARGS]   install the release (once), run the suite
+# A call carries one chunk of .cache/gpu-stage/VERSION (made by tools/gpu/stage.py);
+# /tmp lasts while the machine stays warm, so the chunks gather there call by call.
+set -euo pipefail
+command=$1 version=$2
+shift 2
+staged=.cache/gpu-stage/$version
+held=/tmp/gpu-stage/$version
+site=/tmp/gpu-site/$version
+
+receive() {
+  mkdir -p "$held"
+  cp "$staged"/manifest.json "$held"/
+  for chunk in "$staged"/chunk-*; do
+    if [ -f "$chunk" ]; then cp "$chunk" "$held"/; fi
+  done
+  echo "held for $version: $(cd "$held" && ls chunk-* | tr '\n' ' ')"
+}
+
+install() {
+  [ -f "$site/.complete" ] && return
+  python3 - "$held" <<'PY'
+import hashlib, json, sys
+from pathlib import Path
+held = Path(sys.argv[1])
+manifest = json.loads((held / "manifest.json").read_text())
+missing = [c for c in manifest["chunks"] if not (held / c).exists()]
+if missing:
+    sys.exit(f"chunks not carried yet: {' '.join(missing)}")
+digest = hashlib.sha256()
+with open(held / "wheels.tar", "wb") as out:
+    for chunk in manifest["chunks"]:
+        data = (held / chunk).read_bytes()
+        digest.update(data)
+        out.write(data)
+if digest.hexdigest() != manifest["tar_sha256"]:
+    sys.exit("the joined chunks do not match the manifest's sha256")
+PY
+  tar xf "$held"/wheels.tar -C "$held"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target "$site" "$held"/wheels/*.whl
+  touch "$site/.complete"
+}
+
+case $command in
+  receive) receive ;;
+  install)
+    receive
+    install
+    ;;
+  suite)
+    receive
+    install
+    VLLM_GPU_SITE=$site PYTHONPATH=$site python3 tools/gpu/suite.py "${OUT:-/tmp/gpu-out}" "$@"
+    ;;
+  *) echo "usage: tools/gpu/run.sh receive|install|suite VERSION [suite args]" >&2; exit 2 ;;
+esac

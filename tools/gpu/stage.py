@@ -1,0 +1,237 @@
+"""Stage one stock vLLM release for the lent H200: wheels, trimmed, in carryable chunks.
+
+    python tools/gpu/stage.py 0.26.0            # -> .cache/gpu-stage/0.26.0/chunk-*
+    python tools/gpu/stage.py 0.26.0 --v4       # plus what DeepSeek-V4's NVIDIA path imports
+
+The GPU machine reaches no package index and takes at most 64 MiB per call, so the
+release travels as wheels split into chunks, one chunk per call (``tools/gpu/run.sh``
+joins and installs them there). Steps, all through pip by package name:
+
+1. resolve the release's dependency closure for CPython 3.12 on manylinux x86-64,
+   with metadata-only stand-ins for torch/torchaudio/torchvision (the image ships the
+   real 2.11 ones, so none of torch's CUDA wheels are fetched);
+2. drop what the image already has (``image_packages.txt``) and what an offline engine
+   on Hopper never imports;
+3. download the rest, and the vLLM wheel with its Ampere FA2 build, Rust router,
+   Blackwell kernels and other-Python builds removed;
+4. tar the wheels and split the tar into chunks, with a manifest.
+
+Everything is cached per version (and per ``--v4``): a second run returns at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+STAGE_ROOT = REPO / ".cache" / "gpu-stage"
+# the GPU image's torch family; a local "+stand.in" version satisfies an exact pin
+TORCH_STAND_INS = {"torch": "2.11.0", "torchaudio": "2.11.0", "torchvision": "0.26.0"}
+PLATFORM_TAGS = [
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_26_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_31_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux_2_35_x86_64",
+    "manylinux1_x86_64",
+    "any",
+]
+# closure members an offline engine of a dense model on Hopper never imports
+# (video decoders, Blackwell/ROCm kernels, the CUDA compiler wheels: the image has nvcc)
+NOT_NEEDED = {
+    "vllm",
+    "pynvvideocodec",
+    "torchcodec",
+    "fastsafetensors",
+    "sentry-sdk",
+    "fastapi-cloud-cli",
+    "supervisor",
+    "tokenspeed-mla",
+    "tokenspeed-triton",
+    "humming-kernels",
+    "nvidia-cuda-cccl",
+    "nvidia-cuda-crt",
+    "nvidia-cuda-nvcc",
+    "nvidia-nvvm",
+    "nvidia-cutlass-dsl-libs-cu12",
+    "flashinfer-cubin",
+    "nvidia-cuda-tileiras",
+}
+# DeepSeek-V4's NVIDIA modules import these (mHC kernels, CUTLASS DSL); kept with --v4
+V4_ONLY = {
+    "nvidia-cutlass-dsl",
+    "nvidia-cutlass-dsl-libs-base",
+    "nvidia-cutlass-dsl-libs-core",
+    "nvidia-cutlass-dsl-libs-cu13",
+    "quack-kernels",
+    "tilelang",
+    "z3-solver",
+}
+# files of the vLLM wheel that a Hopper engine under CPython 3.12 never loads
+WHEEL_TRIM = (
+    re.compile(r"^vllm/vllm_flash_attn/_vllm_fa2_C\."),  # Ampere FA2; Hopper runs FA3
+    re.compile(r"^vllm/vllm-rs/"),
+    re.compile(r"^vllm/third_party/fmha_sm100/"),
+    re.compile(r"^vllm/third_party/deep_gemm/_C\.cpython-31[3-9]"),
+    re.compile(r"^vllm/entrypoints/.*/static/"),
+)
+CHUNK_BYTES = 56 * 2**20  # the call also carries the working tree; 64 MiB in all
+
+
+def normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def image_packages() -> set[str]:
+    lines = (HERE / "image_packages.txt").read_text().splitlines()
+    return {normalise(line) for line in lines if line.strip() and not line.startswith("#")}
+
+
+def pip(*args: str) -> None:
+    tags = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"]
+    for tag in PLATFORM_TAGS:
+        tags += ["--platform", tag]
+    subprocess.run([sys.executable, "-m", "pip", *args, *tags], check=True)
+
+
+def write_stand_in_wheel(folder: Path, name: str, version: str) -> None:
+    """A wheel with metadata only, so the resolver treats ``name`` as present."""
+    full = f"{version}+stand.in"
+    info = f"{name}-{full}.dist-info"
+    with zipfile.ZipFile(folder / f"{name}-{full}-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(f"{name}/__init__.py", "")
+        wheel.writestr(
+            f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {full}\n"
+        )
+        wheel.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: stage\nRoot-Is-Purelib: true\n"
+        )
+        wheel.writestr(f"{info}/RECORD", "")
+
+
+def resolve(version: str, extras: list[str], scratch: Path) -> list[str]:
+    """``name==version`` of every closure member the GPU image lacks."""
+    stand_ins = scratch / "stand-ins"
+    stand_ins.mkdir()
+    for name, torch_version in TORCH_STAND_INS.items():
+        write_stand_in_wheel(stand_ins, name, torch_version)
+    report = scratch / "report.json"
+    pip(
+        "install",
+        "-q",
+        "--dry-run",
+        "--ignore-installed",
+        "--report",
+        str(report),
+        "--find-links",
+        str(stand_ins),
+        "--target",
+        str(scratch / "unused"),
+        f"vllm=={version}",
+        *extras,
+    )
+    present = image_packages()
+    wanted = []
+    for item in json.loads(report.read_text())["install"]:
+        name, pinned = item["metadata"]["name"], item["metadata"]["version"]
+        if normalise(name) in present or "stand.in" in pinned:
+            continue
+        wanted.append(f"{name}=={pinned}")
+    return wanted
+
+
+def trim_vllm_wheel(original: Path, dest_dir: Path) -> Path:
+    """Re-zip the vLLM wheel without WHEEL_TRIM's files, RECORD rewritten to match."""
+    dest = dest_dir / original.name
+    with (
+        zipfile.ZipFile(original) as source,
+        zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as out,
+    ):
+        kept = [i for i in source.infolist() if not any(p.match(i.filename) for p in WHEEL_TRIM)]
+        names = {i.filename for i in kept}
+        for info in kept:
+            data = source.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                rows = data.decode().splitlines(keepends=True)
+                data = "".join(r for r in rows if r.split(",")[0] in names).encode()
+            out.writestr(info, data)
+    return dest
+
+
+def stage(version: str, with_v4: bool, extras: list[str]) -> Path:
+    out = STAGE_ROOT / (version + ("-v4" if with_v4 else ""))
+    if (out / "manifest.json").exists():
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        skip = NOT_NEEDED | (set() if with_v4 else V4_ONLY)
+        wanted = [
+            w for w in resolve(version, extras, scratch) if normalise(w.split("==")[0]) not in skip
+        ]
+        wheels = scratch / "wheels"
+        pip("download", "-q", "--no-deps", "-d", str(wheels), *wanted)
+        original = scratch / "vllm-original"
+        pip("download", "-q", "--no-deps", "-d", str(original), f"vllm=={version}")
+        trim_vllm_wheel(next(original.glob("vllm-*.whl")), wheels)
+        partial = out.with_name(out.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        tarball = scratch / "wheels.tar"
+        subprocess.run(["tar", "cf", str(tarball), "-C", str(scratch), "wheels"], check=True)
+        digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
+        chunks = split(tarball, partial)
+        manifest = {
+            "vllm": version,
+            "with_v4": with_v4,
+            "wheels": sorted(p.name for p in wheels.iterdir()),
+            "tar_bytes": tarball.stat().st_size,
+            "tar_sha256": digest,
+            "chunks": chunks,
+        }
+        (partial / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        partial.rename(out)
+    return out
+
+
+def split(tarball: Path, dest: Path) -> list[str]:
+    names = []
+    with tarball.open("rb") as source:
+        while block := source.read(CHUNK_BYTES):
+            name = f"chunk-{len(names):02d}"
+            (dest / name).write_bytes(block)
+            names.append(name)
+    return names
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("version", help="a vLLM release pinning torch 2.11 (0.20.x-0.26.0)")
+    parser.add_argument("--v4", action="store_true", help="keep DeepSeek-V4's NVIDIA deps")
+    parser.add_argument("extras", nargs="*", help="more requirements to stage")
+    args = parser.parse_args()
+    out = stage(args.version, args.v4, args.extras)
+    manifest = json.loads((out / "manifest.json").read_text())
+    size = manifest["tar_bytes"] / 2**20
+    print(
+        f"{out.relative_to(REPO)}: {len(manifest['wheels'])} wheels, {size:.0f} MiB, "
+        f"{len(manifest['chunks'])} chunks"
+    )
+
+
+if __name__ == "__main__":
+    main()

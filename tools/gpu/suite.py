@@ -1,0 +1,429 @@
+"""The GPU suite: stock against patched vLLM on the same machine, one vLLM release.
+
+Runs on the GPU machine after ``tools/gpu/run.sh`` installed the release, from the
+repository root, with the tiny models of ``make model`` under ``.cache/models``:
+
+    python tools/gpu/suite.py OUT_DIR [--jobs 6] [--only NAME ...]
+
+Each job is one real engine (``tools/generate.py``, ``tools/inspect_dummy_batch.py``)
+or one layer-level script in its own process, with or without the overlay on
+PYTHONPATH; several run at once on the one GPU, each with a fixed 2 GiB KV cache.
+Each check then compares jobs (patched against stock, speculation against none) and
+yields pass or fail with its figure. Writes ``OUT_DIR/gpu-results-<version>.json``
+(the record ``tools/gpu/record.py`` merges into the committed results file) and
+``OUT_DIR/logs-<version>.tar.gz``; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
+MODELS = REPO / ".cache" / "models"
+LLAMA, QWEN3, DRAFT = (MODELS / n for n in ("tiny-llama", "tiny-qwen3", "tiny-qwen3-dspark"))
+GENERATE = str(REPO / "tools" / "generate.py")
+INSPECT = str(REPO / "tools" / "inspect_dummy_batch.py")
+EMBEDDING = str(REPO / "tools" / "gpu" / "embedding_fault.py")
+KV = ["--kv-cache-gib", "2"]
+TOKENS = ["--max-tokens", "32"]
+BENCH = ["--max-tokens", "64", "--bench-batches", "1", "16", "64"]
+V1, V2 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+# with one GPU vLLM runs the worker inside the EngineCore process (no worker process)
+ROLES = {"front-end", "engine-core"}
+ERROR_LINE = re.compile(r"\w(Error|Exception): |TIMEOUT")
+JIT_LINE = re.compile(r"during inference: ([\w.<>]+)")
+
+
+@dataclass
+class Job:
+    name: str
+    args: list[str]
+    overlay: bool
+    env: dict[str, str] = field(default_factory=dict)
+    min_version: str = "0"
+    timeout: float = 480
+    alone: bool = False  # a timing job: runs after the others, with the GPU to itself
+
+
+@dataclass
+class Outcome:
+    result: dict | None
+    statuses: list[dict] | None  # None: a recorded run that did not save them
+    log: str
+    seconds: float
+    returncode: int
+
+
+def jobs() -> list[Job]:
+    dspark = ["--dspark", str(DRAFT), "--spec-tokens", "4"]
+    compiled_llama = [GENERATE, str(LLAMA), "--no-eager", "--dtype", "bfloat16", *TOKENS, *KV]
+    compiled_qwen3 = [GENERATE, str(QWEN3), "--no-eager"]
+    qwen3 = [*compiled_qwen3, *TOKENS, *KV]
+    # a drafting method vLLM runs under async scheduling on the GPU (ngram is refused)
+    eagle = [GENERATE, str(LLAMA), "--eagle", str(MODELS / "tiny-llama-eagle"), *TOKENS, *KV]
+    inspect = [INSPECT, str(LLAMA), "--dtype", "bfloat16", *KV]
+    return [
+        Job("llama-v1-stock", compiled_llama, False, V1),
+        Job("llama-v1-overlay", compiled_llama, True, V1),
+        Job("llama-v2-stock", compiled_llama, False, V2),
+        Job("llama-v2-overlay", compiled_llama, True, V2),
+        Job("qwen3-nospec", qwen3, False, V1),
+        Job("dspark-v1", [*qwen3, *dspark], True, V1),
+        Job(
+            "dspark-v1-loop",
+            [*qwen3, *dspark],
+            True,
+            {**V1, "VLLM_V4_DSPARK_MARKOV_KERNEL": "torch"},
+        ),
+        Job("dspark-default-runner", [*qwen3, *dspark], True, min_version="0.25"),
+        Job(
+            "dspark-v1-async-confidence",
+            [*qwen3, *dspark, "--async-scheduling"],
+            True,
+            {**V1, "VLLM_V4_DSPARK_VERIFY": "confidence"},
+        ),
+        Job("llama-fp32", [GENERATE, str(LLAMA), *TOKENS, *KV], False, V1),
+        Job("eagle-sync-overlay", [*eagle, "--sync-scheduling"], True, V1),
+        Job("eagle-async-stock", [*eagle, "--async-scheduling"], False, V1),
+        Job("eagle-async-overlay", [*eagle, "--async-scheduling"], True, V1),
+        Job("dp-dummy-stock", inspect, False, V1),
+        Job("dp-dummy-overlay", inspect, True, V1),
+        Job("embedding-stock", [EMBEDDING], False),
+        Job("embedding-overlay", [EMBEDDING], True),
+        Job("bench-nospec", [*compiled_qwen3, *BENCH, *KV], False, V1, alone=True),
+        Job("bench-dspark", [*compiled_qwen3, *BENCH, *KV, *dspark], True, V1, alone=True),
+    ]
+
+
+def run_job(job: Job, scratch: Path, deadline: float) -> Outcome:
+    status_dir = scratch / "status" / job.name
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_V4_")}
+    env.update(job.env, VLLM_ENABLE_V1_MULTIPROCESSING="1", HF_HUB_OFFLINE="1")
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with local functions
+    site = env.get("VLLM_GPU_SITE", "")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO) if job.overlay else "", site) if p)
+    if job.overlay:
+        env["VLLM_V4_PATCHES_STATUS_DIR"] = str(status_dir)
+    env["VLLM_CACHE_ROOT"] = str(scratch / "vllm-cache")  # timing jobs reuse compiled graphs
+    started = time.perf_counter()
+    budget = min(job.timeout, deadline - started)
+    if budget < 30:
+        return Outcome(None, [], "TIMEOUT: the suite's deadline came first", 0.0, -9)
+    try:
+        done = subprocess.run(
+            [sys.executable, *job.args],
+            env=env,
+            cwd=scratch,
+            capture_output=True,
+            text=True,
+            timeout=budget,
+        )
+        log, code = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        partial = [_text(exc.stdout), _text(exc.stderr), f"TIMEOUT after {budget:.0f}s"]
+        log, code = "\n".join(partial), -9
+    found = [line for line in log.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(found[-1].removeprefix("RESULT ")) if found else None
+    statuses = [json.loads(p.read_text()) for p in sorted(status_dir.glob("*.json"))]
+    return Outcome(result, statuses, log, time.perf_counter() - started, code)
+
+
+def _text(output: str | bytes | None) -> str:
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
+
+
+# -- checks -------------------------------------------------------------------
+# each takes the outcomes by job name and returns (passed, figure); a job that did
+# not run or failed fails every check that reads it, with its last error line
+
+Check = Callable[[dict[str, Outcome]], tuple[bool, str]]
+
+
+class Missing(Exception):
+    pass
+
+
+class NotRun(Exception):
+    pass
+
+
+class NotSaved(Exception):
+    """A recorded run lacks what this check reads; its recorded verdict stands."""
+
+
+def statuses_of(outcomes: dict[str, Outcome], job: str) -> list[dict]:
+    result_of(outcomes, job)
+    if outcomes[job].statuses is None:
+        raise NotSaved(job)
+    return outcomes[job].statuses
+
+
+def result_of(outcomes: dict[str, Outcome], name: str) -> dict:
+    outcome = outcomes.get(name)
+    if outcome is None:
+        raise NotRun(f"{name} not run on this release")
+    if outcome.result is None:
+        errors = [line for line in outcome.log.splitlines() if ERROR_LINE.search(line)]
+        raise Missing(f"{name} exited {outcome.returncode}: {(errors or ['no RESULT'])[-1][-300:]}")
+    return outcome.result
+
+
+def same_tokens(reference: str, other: str) -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        ref, got = result_of(outcomes, reference), result_of(outcomes, other)
+        equal = sum(a == b for a, b in zip(ref["token_ids"], got["token_ids"], strict=True))
+        return equal == len(ref["token_ids"]), f"{equal}/{len(ref['token_ids'])} sequences equal"
+
+    return check
+
+
+def roles_and_summaries(job: str) -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        roles = {doc["role"] for doc in statuses_of(outcomes, job)}
+        lines = re.findall(r"vllm_v4_patches \[([\w-]+) pid \d+, vLLM", outcomes[job].log)
+        ok = ROLES <= roles and ROLES <= set(lines)
+        return ok, f"status roles {sorted(roles)}; summary lines from {sorted(set(lines))}"
+
+    return check
+
+
+def dspark_accepts(job: str, kernel: bool | None) -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        result = result_of(outcomes, job)
+        counters, drafter = result["spec_decode"], result.get("dspark_drafter") or {}
+        drafts = counters.get("num_drafts", 0)
+        length = 1 + counters.get("num_accepted_tokens", 0) / drafts if drafts else 0.0
+        fused, steps = drafter.get("fused_draft_steps"), drafter.get("draft_steps")
+        ok = drafts > 0 and length >= 1.5
+        if kernel is not None:
+            ok = ok and bool(fused) == kernel and bool(steps)
+        return ok, f"acceptance length {length:.2f} over {drafts} drafts; fused {fused}/{steps}"
+
+    return check
+
+
+def status_outcome(job: str, patch: str, wanted: str, detail_has: str = "") -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        statuses = statuses_of(outcomes, job)
+        engine = [d for d in statuses if d["role"] in ("engine-core", "worker")]
+        cells = {d["patches"][patch]["outcome"] for d in engine}
+        details = " | ".join(sorted({d["patches"][patch]["detail"][:160] for d in engine}))
+        ok = cells == {wanted} and all(detail_has in d["patches"][patch]["detail"] for d in engine)
+        return ok, f"{patch} in engine processes: {sorted(cells)} ({details})"
+
+    return check
+
+
+def dummy_batch_class(job: str, want_decode: bool) -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        builds = result_of(outcomes, job)["builds"]
+        prefills = sum(b["num_prefills"] for b in builds)
+        decodes = sum(b["num_decodes"] for b in builds)
+        ok = bool(builds) and (prefills == 0 if want_decode else prefills > 0)
+        return ok, f"{len(builds)} builds: {decodes} decode, {prefills} prefill requests"
+
+    return check
+
+
+def embedding_case(job: str, patched: bool) -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        result = result_of(outcomes, job)
+        if patched:
+            ok = result["completed"] and result["valid_rows_equal"] and result["invalid_row_zero"]
+            return ok, json.dumps(result)
+        return not result["completed"], result.get("error", "completed without a fault")
+
+    return check
+
+
+def async_on(job: str) -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        result = result_of(outcomes, job)
+        return bool(result["async_scheduling"]), f"async_scheduling={result['async_scheduling']}"
+
+    return check
+
+
+def completes(job: str) -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        result = result_of(outcomes, job)
+        return True, f"{len(result.get('tokens_per_s') or {})} batch sizes timed"
+
+    return check
+
+
+def no_jit_after_start(job: str) -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        result_of(outcomes, job)
+        if "JIT monitor activated" not in outcomes[job].log:
+            raise NotRun("this vLLM has no JIT monitor to ask")
+        names = sorted(set(JIT_LINE.findall(outcomes[job].log)))
+        return not names, f"JIT compilations during inference: {names or 'none'}"
+
+    return check
+
+
+CHECKS: dict[str, Check] = {
+    "every-process/v1: roles and summary lines": roles_and_summaries("llama-v1-overlay"),
+    "every-process/v1: greedy equal to stock (compile + cudagraphs)": same_tokens(
+        "llama-v1-stock", "llama-v1-overlay"
+    ),
+    "every-process/v2: roles and summary lines": roles_and_summaries("llama-v2-overlay"),
+    "every-process/v2: greedy equal to stock (compile + cudagraphs)": same_tokens(
+        "llama-v2-stock", "llama-v2-overlay"
+    ),
+    "embedding: stock faults on a -1 id at tp 1": embedding_case("embedding-stock", False),
+    "embedding: patched zeroes it, valid rows exact": embedding_case("embedding-overlay", True),
+    "async_sync: EAGLE sync patched equals no speculation": same_tokens(
+        "llama-fp32", "eagle-sync-overlay"
+    ),
+    "async_sync: EAGLE async stock equals no speculation": same_tokens(
+        "llama-fp32", "eagle-async-stock"
+    ),
+    "async_sync: EAGLE async patched equals no speculation": same_tokens(
+        "llama-fp32", "eagle-async-overlay"
+    ),
+    "async_sync: async scheduling really on": async_on("eagle-async-overlay"),
+    "dp_dummy: stock dummy batch classed as prefill": dummy_batch_class("dp-dummy-stock", False),
+    "dp_dummy: patched dummy batch classed as decode": dummy_batch_class("dp-dummy-overlay", True),
+    "dspark/v1: greedy equal to no speculation": same_tokens("qwen3-nospec", "dspark-v1"),
+    "dspark/v1: acceptance, fused kernel in the drafter": dspark_accepts("dspark-v1", True),
+    "dspark/v1: PyTorch loop equals no speculation": same_tokens("qwen3-nospec", "dspark-v1-loop"),
+    "dspark/v1: loop accepts, kernel off": dspark_accepts("dspark-v1-loop", False),
+    "dspark/v1: status applied in engine processes": status_outcome(
+        "dspark-v1", "dspark", "applied"
+    ),
+    "dspark/v1: no JIT compilation after start": no_jit_after_start("dspark-v1"),
+    "dspark/v1: timing run (batch 1, 16, 64; 64 tokens) completes": completes("bench-dspark"),
+    "dspark/default runner: greedy equal to no speculation": same_tokens(
+        "qwen3-nospec", "dspark-default-runner"
+    ),
+    "dspark/default runner: status true to the runner": status_outcome(
+        "dspark-default-runner", "dspark", "applied", "V2 model runner"
+    ),
+    "dspark/v1 async + confidence: greedy equal": same_tokens(
+        "qwen3-nospec", "dspark-v1-async-confidence"
+    ),
+    "dspark/v1 async + confidence: async on": async_on("dspark-v1-async-confidence"),
+}
+
+
+def evaluate(outcomes: dict[str, Outcome]) -> list[dict]:
+    """One row per check; a check a recorded run cannot answer again is left out."""
+    rows = []
+    for name, check in CHECKS.items():
+        try:
+            passed, figure = check(outcomes)
+        except NotSaved:
+            continue
+        except NotRun as exc:
+            passed, figure = None, str(exc)
+        except Missing as exc:
+            passed, figure = False, str(exc)
+        except Exception as exc:
+            passed, figure = False, f"check crashed: {type(exc).__name__}: {exc}"
+        rows.append(
+            {"check": name, "passed": passed if passed is None else bool(passed), "figure": figure}
+        )
+    return rows
+
+
+def environment() -> dict:
+    from importlib.metadata import version as dist_version
+
+    import torch
+
+    return {
+        "vllm": dist_version("vllm"),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "driver_cuda": torch.version.cuda,
+    }
+
+
+def run_jobs(chosen: list[Job], at_once: int, deadline: float, scratch: Path) -> dict:
+    """Outcomes by job name: the shared jobs ``at_once`` at a time, then the timing
+    jobs one by one."""
+    with ThreadPoolExecutor(at_once) as pool:
+        shared = [j for j in chosen if not j.alone]
+        futures = {j.name: pool.submit(run_job, j, scratch, deadline) for j in shared}
+        outcomes = {name: future.result() for name, future in futures.items()}
+    for job in (j for j in chosen if j.alone):
+        outcomes[job.name] = run_job(job, scratch, deadline)
+    return outcomes
+
+
+def jobs_for(version: str) -> list[Job]:
+    from packaging.version import Version
+
+    return [j for j in jobs() if Version(version) >= Version(j.min_version)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--jobs", type=int, default=6, help="engines at once on the GPU")
+    parser.add_argument("--only", nargs="*", help="run only these jobs")
+    parser.add_argument("--deadline", type=float, default=540, help="seconds for all jobs")
+    args = parser.parse_args()
+    facts = environment()
+    version = facts["vllm"]
+    chosen = [j for j in jobs_for(version) if not args.only or j.name in args.only]
+    scratch = Path(tempfile.mkdtemp(prefix="gpu-suite-"))
+    started = time.perf_counter()
+    outcomes = run_jobs(chosen, args.jobs, started + args.deadline, scratch)
+    rows = evaluate(outcomes)
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {
+        **facts,
+        "date": datetime.date.today().isoformat(),
+        "wall_s": round(time.perf_counter() - started, 1),
+        "jobs": {
+            name: {"seconds": round(o.seconds, 1), "returncode": o.returncode}
+            for name, o in outcomes.items()
+        },
+        "results": {name: o.result for name, o in outcomes.items()},
+        "statuses": {name: o.statuses for name, o in outcomes.items()},
+        "checks": rows,
+    }
+    (args.out / f"gpu-results-{version}.json").write_text(json.dumps(record, indent=1) + "\n")
+    with tarfile.open(args.out / f"logs-{version}.tar.gz", "w:gz") as logs:
+        for name, outcome in outcomes.items():
+            path = scratch / f"{name}.log"
+            path.write_text(outcome.log)
+            logs.add(path, arcname=f"{name}.log")
+    for name, o in outcomes.items():
+        print(f"job {name:32} rc {o.returncode:>3} {o.seconds:6.1f}s")
+    for row in rows:
+        mark = {True: "PASS", False: "FAIL", None: "SKIP"}[row["passed"]]
+        print(f"{mark}  {row['check']}: {row['figure'][:200]}")
+    for name in ("bench-nospec", "bench-dspark"):
+        result = outcomes.get(name) and outcomes[name].result
+        if result:
+            print(
+                name,
+                {b: round(v["tok_s"]) for b, v in result["tokens_per_s"].items()},
+                "first round s",
+                {b: round(v["first_s"], 2) for b, v in result["tokens_per_s"].items()},
+            )
+    ran = [r for r in rows if r["passed"] is not None]
+    print(f"vLLM {version}: {sum(r['passed'] for r in ran)}/{len(ran)} checks passed")
+
+
+if __name__ == "__main__":
+    main()
