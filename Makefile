@@ -40,7 +40,7 @@ lint: venv
 	$(PY) -m black --check -q $(SOURCES)
 
 test: venv model lint
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=30 tests
 
 test-fast: venv model
 	$(PY) -m pytest -q -ra -m "not e2e" tests
