@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import pytest
 
+from conftest import REPO
 from vllm_v4_patches import embedding
 from vllm_v4_patches.errors import ProbeError
 from vllm_v4_patches.patcher import Patcher
 from vllm_v4_patches.sources import InstalledSource, TreeSource
+
+sys.path.insert(0, str(REPO / "tools" / "gpu"))
 
 VOCAB = 128  # a multiple of vLLM's padding (64), so VOCAB + 3 is outside the table
 HIDDEN = 32
@@ -17,29 +21,11 @@ HIDDEN = 32
 
 @pytest.fixture(scope="module")
 def layer():
-    torch = pytest.importorskip("torch")
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (
-        cleanup_dist_env_and_memory,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    pytest.importorskip("torch")
+    from embedding_fault import tp1_embedding
 
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method="tcp://127.0.0.1:29517",
-            local_rank=0,
-            backend="gloo",
-        )
-        initialize_model_parallel(1, 1)
-        torch.manual_seed(0)
-        module = VocabParallelEmbedding(VOCAB, HIDDEN)
-        module.weight.data.normal_()
+    with tp1_embedding(VOCAB, HIDDEN, 29517) as module:
         yield module
-    cleanup_dist_env_and_memory()
 
 
 @pytest.fixture

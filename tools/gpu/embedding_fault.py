@@ -11,29 +11,48 @@ zero. Stock vLLM is expected to fault here, so run it in its own process.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
+from typing import Any
 
 VOCAB, HIDDEN = 128, 64
 
 
-def main() -> None:
+@contextlib.contextmanager
+def tp1_embedding(vocab: int, hidden: int, port: int) -> Iterator[Any]:
+    """vLLM's real ``VocabParallelEmbedding`` at tensor-parallel size 1 (weights drawn
+    from a normal distribution, seed 0), inside the one-rank set-up it needs."""
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed import (
+        cleanup_dist_env_and_memory,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(
             world_size=1,
             rank=0,
-            distributed_init_method="tcp://127.0.0.1:29531",
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
             local_rank=0,
             backend="gloo",
         )
         initialize_model_parallel(1, 1)
         torch.manual_seed(0)
-        layer = VocabParallelEmbedding(VOCAB, HIDDEN).cuda()
+        layer = VocabParallelEmbedding(vocab, hidden)
         layer.weight.data.normal_()
+        yield layer
+    cleanup_dist_env_and_memory()
+
+
+def main() -> None:
+    import torch
+
+    with tp1_embedding(VOCAB, HIDDEN, 29531) as layer:
+        layer = layer.cuda()
         ids = torch.tensor([5, -1, 7, 3], device="cuda")
         result = {"completed": False}
         try:
@@ -49,7 +68,7 @@ def main() -> None:
                 valid_rows_equal=bool(torch.equal(rows[valid], expected)),
                 invalid_row_zero=bool((rows[~valid] == 0).all()),
             )
-    print("RESULT " + json.dumps(result), flush=True)
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
