@@ -131,7 +131,7 @@ def test_async_scheduling_is_lossless_and_scheduled_verification_cuts_in_the_wor
     result = generate(target, "--dspark", str(draft), "--async-scheduling", env=settings)
     assert result["async_scheduling"]
     assert result["token_ids"] == no_speculation["token_ids"]
-    counters, counts = result["spec_decode"], result["dspark_verify"]
+    counters, counts = result["spec_decode"], result["dspark_drafter"]["verify_counts"]
     assert counters["num_draft_tokens"] == 4 * counters["num_drafts"]  # scheduler's view
     if mode == "all":
         assert counts == {"scheduled": 0, "verified": 0}

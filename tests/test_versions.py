@@ -347,7 +347,7 @@ def test_async_scheduled_verification_where_vllms_draft_class_has_no_confidence_
         target, [*stock_path, str(REPO)], multiprocess=True, env=settings, extra=extra, full=True
     )
     assert result["async_scheduling"] and result["token_ids"] == plain
-    counts = result["dspark_verify"]
+    counts = result["dspark_drafter"]["verify_counts"]
     assert 0 < counts["verified"] < counts["scheduled"], counts
 
 

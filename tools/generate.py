@@ -70,16 +70,11 @@ def generate(
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if draft_sample_method:
             speculative["draft_sample_method"] = draft_sample_method
-    memory = {}
-    if kv_cache_gib:
-        # a fixed KV cache skips the profile that sizes it from free memory, which
-        # other engines on the same GPU would make meaningless
-        memory = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30), "gpu_memory_utilization": 0.1}
     started = time.perf_counter()
     llm = LLM(
         model=model,
         dtype=dtype,
-        **memory,
+        **fixed_kv_cache(kv_cache_gib),
         max_model_len=256,
         enforce_eager=eager,
         seed=0,
@@ -109,10 +104,18 @@ def generate(
         "init_s": ready - started,
         "generate_s": done - ready,
         "spec_decode": spec_decode_counters(llm),
-        "dspark_verify": drafter and drafter["verify_counts"],
         "dspark_drafter": drafter,
         "tokens_per_s": bench,
     }
+
+
+def fixed_kv_cache(gib: float | None) -> dict:
+    """``LLM`` arguments for a KV cache of ``gib`` GiB (none for ``None``): a fixed
+    size skips the profile that sizes it from free memory, which other engines on
+    the same GPU would make meaningless."""
+    if not gib:
+        return {}
+    return {"kv_cache_memory_bytes": int(gib * 2**30), "gpu_memory_utilization": 0.1}
 
 
 def dspark_drafter_stats(worker) -> dict:  # noqa: ANN001

@@ -115,18 +115,13 @@ def main() -> None:
     options = parser.parse_args()
     # collective_rpc ships the inspection function to the worker by value
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from generate import fixed_kv_cache
     from vllm import LLM, SamplingParams
 
-    memory = {}
-    if options.kv_cache_gib:
-        memory = {
-            "kv_cache_memory_bytes": int(options.kv_cache_gib * 2**30),
-            "gpu_memory_utilization": 0.1,
-        }
     llm = LLM(
         model=options.model,
         dtype=options.dtype,
-        **memory,
+        **fixed_kv_cache(options.kv_cache_gib),
         max_model_len=256,
         enforce_eager=True,
         seed=0,

@@ -108,8 +108,9 @@ def merge(results: dict, kept_run: Path) -> None:
                 "date": run["date"],
                 "run": kept_run.relative_to(REPO).as_posix(),
             }
-    if throughput(run):
-        entry["throughput"] = {"date": run["date"], "by_batch": throughput(run)}
+    by_batch = throughput(run)
+    if by_batch:
+        entry["throughput"] = {"date": run["date"], "by_batch": by_batch}
 
 
 def main() -> None:
