@@ -201,3 +201,16 @@ def test_the_drafter_stage_falls_back_to_the_loop_off_cuda(monkeypatch):
     assert sampling.kernel_choice() == "auto"
     monkeypatch.setenv(sampling.KERNEL_SETTING, " Torch ")
     assert sampling.kernel_choice() == "torch"
+
+
+def test_anchors_outside_the_table_read_its_nearest_row():
+    """vLLM's -1 placeholder (and any id past the table) as an anchor: drafted as
+    the nearest row's id would be, where an unchecked gather faults on the GPU."""
+    inputs = make_inputs(4, 3, torch.float32, seed=5)
+    outside = {**inputs, "anchor": torch.tensor([-1, VOCAB + 3, 7, -5])}
+    nearest = {**inputs, "anchor": torch.tensor([0, VOCAB - 1, 7, 0])}
+    for draft in (markov_kernel.greedy_markov_draft, markov_kernel.greedy_markov_draft_reference):
+        tokens, confidence = draft(**outside)
+        expected_tokens, expected_confidence = draft(**nearest)
+        assert torch.equal(tokens, expected_tokens)
+        assert torch.equal(confidence, expected_confidence)

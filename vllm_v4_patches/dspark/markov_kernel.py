@@ -309,6 +309,19 @@ def sampled_markov_draft_reference(
     )
 
 
+def anchor_in_table(anchor: torch.Tensor, markov_w1: torch.Tensor) -> torch.Tensor:
+    """The anchors as row indices of ``markov_w1``: an id outside the table reads the
+    nearest row.
+
+    Under async scheduling vLLM hands the drafter -1 as the next token of a request
+    whose sampled tokens it discards this step (the token is not on the host yet);
+    that request's drafts are dropped, but the kernels gather by this id unchecked,
+    and a row before the table is an illegal address. One clamp on the device, no
+    synchronisation.
+    """
+    return anchor.clamp(0, markov_w1.shape[0] - 1)
+
+
 def _draft_reference(
     base_logits: torch.Tensor,
     anchor: torch.Tensor,
@@ -322,6 +335,7 @@ def _draft_reference(
     import torch
 
     batch, num_slots, _ = base_logits.shape
+    anchor = anchor_in_table(anchor, markov_w1)
     # fp32 weights: bf16 products are exact in fp32, so only the summation order
     # separates this from the kernel's fp32-accumulating tensor-core product.
     w2_t = markov_w2.float().t()
@@ -411,6 +425,7 @@ def _draft_triton(
 
     kernels = _build_kernels()
     batch, num_slots, vocab = base_logits.shape
+    anchor = anchor_in_table(anchor, markov_w1)
     # The kernels index the last dimension of these with unit stride.
     markov_w1 = markov_w1.contiguous()
     markov_w2 = markov_w2.contiguous()
