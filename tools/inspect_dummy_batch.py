@@ -47,7 +47,15 @@ def inspect_in_worker(worker) -> dict:  # noqa: ANN001
         (batch.num_computed_tokens_cpu[: STALE_ROW + 1] == STALE_COMPUTED).all()
         and (batch.num_prompt_tokens[: STALE_ROW + 1] == STALE_PROMPT).all()
     )
-    return {"uniform_decode_query_len": threshold, "builds": facts, "rows_kept": rows_kept}
+    builders = sorted(
+        {type(g.get_metadata_builder()).__name__ for gs in runner.attn_groups for g in gs}
+    )
+    return {
+        "uniform_decode_query_len": threshold,
+        "builds": facts,
+        "rows_kept": rows_kept,
+        "builders": builders,
+    }
 
 
 def _capture_builder_input(runner, captured: list):  # noqa: ANN001, ANN202
@@ -112,7 +120,9 @@ def main() -> None:
     parser.add_argument("--ngram", action="store_true", help="speculative decoding: q > 1")
     parser.add_argument("--dtype", default="float32", help="bfloat16 reaches FlashAttention")
     parser.add_argument("--kv-cache-gib", type=float, help="a fixed KV cache (GPU sharing)")
+    parser.add_argument("--attention-backend", help="e.g. FLASHINFER (default: vLLM chooses)")
     options = parser.parse_args()
+    backend = {"attention_backend": options.attention_backend} if options.attention_backend else {}
     # collective_rpc ships the inspection function to the worker by value
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from generate import fixed_kv_cache
@@ -126,6 +136,7 @@ def main() -> None:
         enforce_eager=True,
         seed=0,
         speculative_config=NGRAM if options.ngram else None,
+        **backend,
     )
     llm.generate(["def main("], SamplingParams(max_tokens=8, temperature=0))
     (result,) = llm.collective_rpc(inspect_in_worker)

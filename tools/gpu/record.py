@@ -1,6 +1,7 @@
 """Record GPU suite runs: keep the raw run, and merge its verdicts into the results file.
 
     python tools/gpu/record.py RUN_DIR [RUN_DIR ...]    # oldest first
+    python tools/gpu/record.py --again                  # after the checks changed
 
 A run directory is what ``tools/gpu/suite.py`` wrote under ``$OUT``
 (``gpu-results-<version>.json`` and ``logs-<version>.tar.gz``). Each run is copied
@@ -115,9 +116,16 @@ def merge(results: dict, kept_run: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("runs", nargs="*", type=Path)
+    parser.add_argument(
+        "--again", action="store_true", help="rebuild the file from the kept runs alone"
+    )
     args = parser.parse_args()
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"versions": {}}
+    if args.again:
+        results = {"versions": {}}
+        for kept_run in recorded_runs():
+            merge(results, kept_run)
     results["generated_by"] = "python tools/gpu/record.py (do not edit by hand)"
     for run_dir in args.runs:
         record(run_dir, results)

