@@ -22,7 +22,7 @@ MAX_TOKENS = 24
 @pytest.mark.e2e
 def test_warmup_serves_its_requests_and_leaves_outputs_and_counters_alone(dspark_pair):
     """Async scheduling with confidence-scheduled verification, the hardest path:
-    the warm-up's 34 requests are served, the user's greedy tokens equal HF's, and
+    the warm-up's requests are served, the user's greedy tokens equal HF's, and
     neither vLLM's speculative counters nor the drafter's count the warm-up."""
     target, draft = dspark_pair
     args = [GENERATE, str(target), "--dspark", str(draft), "--async-scheduling"]
@@ -35,14 +35,14 @@ def test_warmup_serves_its_requests_and_leaves_outputs_and_counters_alone(dspark
     }
     result = run_python(args, pythonpath=[REPO], env=env)
     log = result.stdout + result.stderr
-    served = re.findall(r"DSpark warm-up: (\d+) internal requests, (\d+) steps", log)
-    assert served and int(served[0][0]) == 34, log[-3000:]
+    served = re.findall(r"DSpark warm-up: (\d+) internal requests in (\d+) rounds", log)
+    assert served and int(served[0][0]) > 3 and int(served[0][1]) > 3, log[-3000:]
     [line] = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
     run = json.loads(line.removeprefix("RESULT "))
     assert run["async_scheduling"]
     assert run["token_ids"] == hf_greedy(target, PROMPTS, MAX_TOKENS)
     drafts, drafter = run["spec_decode"]["num_drafts"], run["dspark_drafter"]
-    # the warm-up alone takes dozens of draft steps over 34 requests
+    # the warm-up alone takes dozens of draft steps over hundreds of requests
     assert 0 < drafter["draft_steps"] <= drafts <= len(PROMPTS) * MAX_TOKENS
     assert drafter["verify_counts"]["scheduled"] <= drafts * 4
 

@@ -8,13 +8,11 @@ compiles on the first user requests: seconds of latency on a GPU, and one warnin
 per kernel from vLLM's JIT monitor (an error in its ``error`` mode).
 
 So an engine core whose V1 runner drafts with the overlay's DSpark drafter serves
-a few internal requests once its own start-up is done, through its own scheduler
-and step function: one greedy request, then two rounds of sixteen with staggered
-lengths so the batch shrinks through every size class Triton specialises on (1,
-divisible by 16, neither), the second mixing greedy and sampled requests, then one
-sampled request. Their outputs never leave the engine core, the prefix cache is
-reset after them, and the worker holds vLLM's JIT monitor back until the first step
-that carries no warm-up request, where it also clears the drafter's counters.
+internal requests once its own start-up is done, through its own scheduler and step
+function (``rounds`` says which shapes and why). Their outputs never leave the
+engine core, the prefix cache is reset after them, and the worker holds vLLM's JIT
+monitor back until the first step that carries no warm-up request, where it also
+clears the drafter's counters.
 
 ``VLLM_V4_DSPARK_WARMUP``: ``auto`` (on CUDA-like platforms, where kernels are
 JIT-compiled), ``on`` or ``off``.
@@ -30,9 +28,11 @@ from typing import Any
 SETTING = "VLLM_V4_DSPARK_WARMUP"
 CHOICES = ("auto", "on", "off")
 REQUEST_PREFIX = "vllm-v4-dspark-warmup-"
-PROMPT_TOKENS = 8
-MAX_BATCH = 16
-MAX_STEPS = 400  # a bound on the step loop: the rounds need a few dozen
+PROMPT_TOKENS = 8  # the batch rounds' prompts
+MAX_PROMPT = 2048  # the longest prompt-length class warmed
+MAX_BATCH = 256  # the largest batch warmed (vLLM's default max_num_seqs on GPUs)
+MAX_STAGGER = 32  # the batch rounds' spread of output lengths
+MAX_STEPS = 1000  # a bound on each round's step loop: a round needs a few dozen
 
 logger = logging.getLogger("vllm_v4_patches")
 
@@ -79,9 +79,10 @@ def warm_engine_core(core: Any, vllm_config: Any) -> None:
         logger.info("vllm_v4_patches: DSpark warm-up skipped: %s", reason)
         return
     started = time.perf_counter()
-    served = steps = 0
+    served = steps = rounds_served = 0
     try:
         for round_requests in rounds(vllm_config):
+            rounds_served += 1
             for request in round_requests:
                 core.add_request(*core.preprocess_add_request(request))
             served += len(round_requests)
@@ -98,38 +99,62 @@ def warm_engine_core(core: Any, vllm_config: Any) -> None:
         )
         return
     logger.info(
-        "vllm_v4_patches: DSpark warm-up: %d internal requests, %d steps, %.1f s",
+        "vllm_v4_patches: DSpark warm-up: %d internal requests in %d rounds, %d steps, %.1f s",
         served,
+        rounds_served,
         steps,
         time.perf_counter() - started,
     )
 
 
 def rounds(vllm_config: Any) -> Iterator[list[Any]]:
+    """The warm-up, round by round; a round is served to the end before the next.
+
+    Kernels specialise on the step's shape: block sizes follow the longest prompt in
+    a prefill step (one request per power-of-two prompt length, so each class is
+    the longest once), kernel configurations and integer specialisations follow the
+    batch size (a batch of up to MAX_BATCH requests with staggered lengths shrinks
+    through every class), and greedy and sampled requests take different paths.
+    """
     from vllm.v1.engine import EngineCoreRequest
 
-    vocab = vllm_config.model_config.get_vocab_size()
-    spec = vllm_config.speculative_config
-    room = vllm_config.model_config.max_model_len - PROMPT_TOKENS - spec.num_speculative_tokens - 1
-    longest = max(1, min(4 + MAX_BATCH, room))
+    model = vllm_config.model_config
+    vocab = model.get_vocab_size()
+    new_tokens = 4
+    reserve = new_tokens + vllm_config.speculative_config.num_speculative_tokens + 2
+    longest_prompt = min(model.max_model_len - reserve, MAX_PROMPT)
+    lengths = [n for n in _powers_of_two(longest_prompt)] + [longest_prompt]
     batch = max(1, min(MAX_BATCH, vllm_config.scheduler_config.max_num_seqs))
-    plan = [
-        [(longest, False)],
-        [(min(longest, 4 + i), False) for i in range(batch)],
-        [(min(longest, 4 + i), i % 2 == 1) for i in range(batch)],
-        [(longest, True)],
-    ]
+    stagger = max(1, min(MAX_STAGGER, model.max_model_len - PROMPT_TOKENS - reserve))
+    # (prompt length, new tokens, sampled) per request
+    plan = [[(length, new_tokens, False)] for length in dict.fromkeys(lengths) if length > 0]
+    staggered = [1 + i * stagger // batch for i in range(batch)]
+    plan.append([(PROMPT_TOKENS, extra + new_tokens, False) for extra in staggered])
+    plan.append(
+        [(PROMPT_TOKENS, extra + new_tokens, i % 2 == 1) for i, extra in enumerate(staggered)]
+    )
+    plan.append([(PROMPT_TOKENS, stagger, True)])
     for number, shape in enumerate(plan):
         yield [
-            engine_request(EngineCoreRequest, f"{REQUEST_PREFIX}{number}-{i}", prompt, params)
-            for i, (max_tokens, sampled) in enumerate(shape)
-            for prompt in [_prompt(vocab, number * MAX_BATCH + i)]
-            for params in [_sampling_params(max_tokens, sampled)]
+            engine_request(
+                EngineCoreRequest,
+                f"{REQUEST_PREFIX}{number}-{i}",
+                _prompt(vocab, length, number * MAX_BATCH + i),
+                _sampling_params(max_tokens, sampled),
+            )
+            for i, (length, max_tokens, sampled) in enumerate(shape)
         ]
 
 
-def _prompt(vocab: int, seed: int) -> list[int]:
-    return [(7 * seed + 13 * j + 1) % vocab for j in range(PROMPT_TOKENS)]
+def _powers_of_two(limit: int) -> Iterator[int]:
+    length = 1
+    while length <= limit:
+        yield length
+        length *= 2
+
+
+def _prompt(vocab: int, length: int, seed: int) -> list[int]:
+    return [(7 * seed + 13 * j + 1) % vocab for j in range(length)]
 
 
 def _sampling_params(max_tokens: int, sampled: bool) -> Any:
