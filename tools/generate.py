@@ -3,6 +3,14 @@
 Run as a script (vLLM spawns processes, hence the __main__ guard):
 
     python tools/generate.py MODEL_DIR [--no-eager] [--max-tokens N] [--prompts ...]
+    python tools/generate.py --plan RUNS.json   # several engines in one process
+
+A plan is a JSON list of runs, each ``generate``'s keyword arguments plus ``key``
+(what its ``RESULT`` line is tagged with), ``multiprocess`` (vLLM's engine core in
+a process of its own, or in this one) and ``env`` (variables set for that run
+only: children it spawns inherit them). The runs go one after another, each
+engine shut down before the next starts, so a test suite pays for one Python
+and vLLM start-up per process instead of one per engine.
 
 On a GPU, ``--dtype bfloat16`` reaches the FlashAttention builders (float32 takes
 another backend), ``--kv-cache-gib`` fixes the KV cache so several engines share
@@ -12,9 +20,11 @@ one GPU, and ``--bench-batches`` times steady-state throughput after the checked
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
+import traceback
 
 DEFAULT_PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
 
@@ -41,9 +51,9 @@ def force_async_scheduling() -> None:
 
 def generate(
     model: str,
-    prompts: list[str],
-    max_tokens: int,
-    eager: bool,
+    prompts: list[str] | None = None,
+    max_tokens: int = 16,
+    eager: bool = True,
     ngram: bool = False,
     eagle: str | None = None,
     async_scheduling: bool | None = None,
@@ -55,9 +65,12 @@ def generate(
     dtype: str = "float32",
     kv_cache_gib: float | None = None,
     bench_batches: tuple[int, ...] = (),
+    close: bool = False,
 ) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
+
+    prompts = prompts or DEFAULT_PROMPTS
 
     if async_scheduling and current_platform.is_cpu():
         force_async_scheduling()
@@ -99,13 +112,16 @@ def generate(
     done = time.perf_counter()
     engine_config = getattr(llm.llm_engine, "vllm_config", None)
     drafter = llm.collective_rpc(dspark_drafter_stats)[0] if dspark else None
+    counters = spec_decode_counters(llm)
+    if close:
+        llm.llm_engine.engine_core.shutdown()
     return {
         "async_scheduling": bool(engine_config and engine_config.scheduler_config.async_scheduling),
         "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
         "texts": [out.outputs[0].text for out in outputs],
         "init_s": ready - started,
         "generate_s": done - checked,
-        "spec_decode": spec_decode_counters(llm),
+        "spec_decode": counters,
         "dspark_drafter": drafter,
         "tokens_per_s": bench,
         "bench_ran_first": bool(bench),
@@ -157,9 +173,50 @@ def spec_decode_counters(llm) -> dict:  # noqa: ANN001
     return counters
 
 
+def run_plan(runs: list[dict]) -> None:
+    """Each run of a plan in turn, printing ``RESULT`` tagged with its key; the plan
+    stops at the first run that raises, after printing ``FAILED`` with its key."""
+    for run in runs:
+        run = dict(run)
+        key = run.pop("key")
+        settings = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if run.pop("multiprocess") else "0",
+            **run.pop("env", {}),
+        }
+        saved = {name: os.environ.get(name) for name in settings}
+        os.environ.update(settings)
+        try:
+            result = generate(**run, close=True)
+        except Exception:
+            print("FAILED " + json.dumps({"key": key, "error": traceback.format_exc()}))
+            raise
+        finally:
+            restore(saved)
+            release_engine_state()
+        print("RESULT " + json.dumps({"key": key, **result}), flush=True)
+
+
+def restore(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def release_engine_state() -> None:
+    """What an in-process engine leaves behind (its distributed group, vLLM's frozen
+    view of the environment), torn down as vLLM's own tests do between engines."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("model")
+    parser.add_argument("model", nargs="?")
+    parser.add_argument("--plan", help="a JSON file of runs for one process (see above)")
     parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--prompts", nargs="*", default=DEFAULT_PROMPTS)
@@ -184,6 +241,12 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=float, help="a fixed KV cache (GPU sharing)")
     parser.add_argument("--bench-batches", type=int, nargs="*", default=[])
     args = parser.parse_args()
+    if args.plan:
+        with open(args.plan) as handle:
+            run_plan(json.load(handle))
+        return
+    if not args.model:
+        parser.error("a model directory, or --plan")
     result = generate(
         args.model,
         args.prompts * args.repeat,
