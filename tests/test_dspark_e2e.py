@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from conftest import REPO, hf_greedy, read_status_files, run_python
+from conftest import (
+    REPO,
+    Inputs,
+    ModuleRuns,
+    engine_run,
+    hf_greedy,
+    read_status_files,
+    run_python,
+)
+from vllm_v4_patches.toggles import STATUS_DIR
 
 pytestmark = pytest.mark.e2e
 
@@ -19,9 +29,12 @@ GENERATE = str(REPO / "tools" / "generate.py")
 PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
 MAX_TOKENS = 32
 ROLES = {"front-end", "engine-core", "worker"}
+RUN = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+STRICT = {"VLLM_V4_PATCHES_STRICT": "1"}  # a patch that fails to apply fails the run
 
 
 def generate(target, *extra: str, overlay: bool = True, env=None, check=True):  # noqa: ANN001
+    """One engine in a process of its own (runs expected to fail)."""
     args = [GENERATE, str(target), "--max-tokens", str(MAX_TOKENS), "--prompts", *PROMPTS]
     settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_V4_PATCHES_STRICT": "1"}
     result = run_python(
@@ -37,10 +50,9 @@ def generate(target, *extra: str, overlay: bool = True, env=None, check=True):  
 
 
 @pytest.fixture(scope="module")
-def no_speculation(dspark_pair) -> dict:
+def no_speculation(runs: ModuleRuns) -> dict:
     """The target alone, stock vLLM, no overlay."""
-    target, _ = dspark_pair
-    return generate(target, overlay=False)
+    return runs["target alone"]
 
 
 @pytest.fixture(scope="module")
@@ -49,86 +61,143 @@ def hf_reference(dspark_pair) -> list[list[int]]:
     return hf_greedy(target, PROMPTS, MAX_TOKENS)
 
 
+def add_stock(runs: ModuleRuns, inputs: Inputs, key: str, **options: Any) -> None:
+    """A stock run (no overlay) in the plan process of the stock references, each
+    engine in that process: they only give the output to compare with."""
+    run = engine_run(key, inputs.target, multiprocess=False, **{**RUN, **options})
+    runs.add("stock", run)
+
+
+def add_dspark(runs: ModuleRuns, inputs: Inputs, key: str, plan: str, **options: Any) -> None:
+    """A DSpark run through the overlay in the shared plan process ``plan``: the
+    front end validates the config, and each engine core (a process of its own)
+    builds the drafter with the settings in ``options["env"]``, which only it
+    inherits. Two such plans keep both cores busy."""
+    run = engine_run(key, inputs.target, multiprocess=True, dspark=str(inputs.draft), **RUN)
+    run = {**run, **options}
+    runs.add(plan, run, pythonpath=[str(REPO)], env=STRICT)
+
+
+def plan_target_alone(runs: ModuleRuns, inputs: Inputs) -> None:
+    add_stock(runs, inputs, "target alone")
+
+
+def plan_greedy(runs: ModuleRuns, inputs: Inputs) -> None:
+    plan_target_alone(runs, inputs)
+    status = inputs.scratch / "status"
+    add_dspark(runs, inputs, "greedy", "dspark", env={STATUS_DIR: str(status)})
+
+
 def mean_acceptance_length(counters: dict) -> float:
     """Tokens per target step: the accepted drafts plus the target's own token."""
     return 1 + counters["num_accepted_tokens"] / counters["num_drafts"]
 
 
-def test_greedy_dspark_is_lossless_with_real_acceptance(
-    dspark_pair, no_speculation, hf_reference, tmp_path
-):
-    target, draft = dspark_pair
-    result = generate(
-        target, "--dspark", str(draft), env={"VLLM_V4_PATCHES_STATUS_DIR": str(tmp_path)}
-    )
+def test_greedy_dspark_is_lossless_with_real_acceptance(runs, no_speculation, hf_reference):
+    """The plan's first run: its status files show a front end that had served
+    nothing else."""
+    result = runs["greedy"]
     assert result["token_ids"] == no_speculation["token_ids"] == hf_reference
     counters = result["spec_decode"]
     assert counters["num_drafts"] > 0
     assert counters["num_draft_tokens"] == 4 * counters["num_drafts"]
     assert mean_acceptance_length(counters) >= 1.5, counters
-    documents = read_status_files(tmp_path)
+    documents = read_status_files(runs.inputs.scratch / "status")
     assert ROLES <= {doc["role"] for doc in documents}
     assert all(doc["patches"]["dspark"]["outcome"] == "applied" for doc in documents)
 
 
+def plan_slots(runs: ModuleRuns, inputs: Inputs, slots: int) -> None:
+    plan_target_alone(runs, inputs)
+    add_dspark(runs, inputs, f"slots {slots}", "dspark", spec_tokens=slots)
+
+
 @pytest.mark.parametrize("slots", [1, 3])
-def test_other_block_sizes_are_lossless(dspark_pair, no_speculation, slots):
+def test_other_block_sizes_are_lossless(runs, no_speculation, slots):
     """N = 1 (the anchor slot alone) and N = 3 (shorter than the trained block)."""
-    target, draft = dspark_pair
-    result = generate(target, "--dspark", str(draft), "--spec-tokens", str(slots))
+    result = runs[f"slots {slots}"]
     assert result["token_ids"] == no_speculation["token_ids"]
     assert result["spec_decode"]["num_drafts"] > 0
 
 
-def test_switched_off_stock_rejects_dspark_on_v1(dspark_pair):
-    target, draft = dspark_pair
-    result = generate(
-        target, "--dspark", str(draft), env={"VLLM_V4_PATCH_DSPARK": "0"}, check=False
+def plan_switched_off(runs: ModuleRuns, inputs: Inputs) -> None:
+    env = {"VLLM_V4_PATCH_DSPARK": "0"}
+    runs.submit(
+        "switched off", generate, inputs.target, "--dspark", str(inputs.draft), env=env, check=False
     )
+
+
+def test_switched_off_stock_rejects_dspark_on_v1(runs):
+    result = runs["switched off"]
     assert result.returncode != 0
     assert "Model Runner V1 does not support: dspark speculative decoding" in (
         result.stdout + result.stderr
     )
 
 
-def test_probabilistic_drafting_at_temperature_one(dspark_pair):
+SAMPLED = {"temperature": 1.0, "prompts": PROMPTS * 16}
+
+
+def plan_sampled(runs: ModuleRuns, inputs: Inputs) -> None:
+    add_stock(runs, inputs, "sampled plain", **SAMPLED)
+    add_dspark(
+        runs, inputs, "sampled speculated", "dspark", **SAMPLED, draft_sample_method="probabilistic"
+    )
+
+
+def test_probabilistic_drafting_at_temperature_one(runs):
     """Probabilistic drafts (Markov-corrected probabilities handed to the rejection
     sampler) run, and with a seed per request the first token of every one of 48
     requests is the one plain decoding samples: speculation starts after it."""
-    target, draft = dspark_pair
-    sampled = ["--temperature", "1.0", "--repeat", "16"]
-    plain = generate(target, *sampled, overlay=False)
-    speculated = generate(
-        target, *sampled, "--dspark", str(draft), "--draft-sample-method", "probabilistic"
-    )
+    plain = runs["sampled plain"]
+    speculated = runs["sampled speculated"]
     assert speculated["spec_decode"]["num_drafts"] > 0
     first = [tokens[0] for tokens in speculated["token_ids"]]
     assert first == [tokens[0] for tokens in plain["token_ids"]]
     assert len(set(first)) > 3  # really sampled, not greedy
 
 
-def test_confidence_scheduled_verification_cuts_drafts_losslessly(dspark_pair, no_speculation):
+def verify_settings(mode: str) -> dict[str, str]:
+    """Verification ``mode`` with a steep fixed cost per verified token (read by the
+    drafter, in the engine core)."""
+    return {"VLLM_V4_DSPARK_VERIFY": mode, "VLLM_V4_DSPARK_VERIFY_COST": "1,1"}
+
+
+def plan_confidence(runs: ModuleRuns, inputs: Inputs) -> None:
+    plan_target_alone(runs, inputs)
+    add_dspark(runs, inputs, "confidence", "dspark verify", env=verify_settings("confidence"))
+
+
+def test_confidence_scheduled_verification_cuts_drafts_losslessly(runs, no_speculation):
     """With a steep fixed cost per verified token, Algorithm 1 verifies only the
     prefixes worth it: fewer draft tokens than N per draft, same output."""
-    target, draft = dspark_pair
-    scheduled = {"VLLM_V4_DSPARK_VERIFY": "confidence", "VLLM_V4_DSPARK_VERIFY_COST": "1,1"}
-    result = generate(target, "--dspark", str(draft), env=scheduled)
+    result = runs["confidence"]
     assert result["token_ids"] == no_speculation["token_ids"]
     counters = result["spec_decode"]
     assert 0 < counters["num_draft_tokens"] < 4 * counters["num_drafts"], counters
 
 
+def plan_async(runs: ModuleRuns, inputs: Inputs, mode: str) -> None:
+    plan_target_alone(runs, inputs)
+    add_dspark(
+        runs,
+        inputs,
+        f"async {mode}",
+        "dspark verify",
+        env=verify_settings(mode),
+        async_scheduling=True,
+    )
+
+
 @pytest.mark.parametrize("mode", ["all", "confidence"])
 def test_async_scheduling_is_lossless_and_scheduled_verification_cuts_in_the_worker(
-    dspark_pair, no_speculation, mode
+    runs, no_speculation, mode
 ):
     """Async scheduling forced on (the CPU platform turns it off): the drafts stay on
     the device and the scheduler reserves N per request. With confidence-scheduled
     verification and a steep fixed cost the worker verifies fewer than it was given,
     planned from the confidences one draft step older; the output is unchanged."""
-    target, draft = dspark_pair
-    settings = {"VLLM_V4_DSPARK_VERIFY": mode, "VLLM_V4_DSPARK_VERIFY_COST": "1,1"}
-    result = generate(target, "--dspark", str(draft), "--async-scheduling", env=settings)
+    result = runs[f"async {mode}"]
     assert result["async_scheduling"]
     assert result["token_ids"] == no_speculation["token_ids"]
     counters, counts = result["spec_decode"], result["dspark_drafter"]["verify_counts"]
@@ -173,7 +242,22 @@ def committed_prefixes(run: dict) -> list[list[int]]:
     return prefixes
 
 
-def test_served_draft_logits_equal_a_from_scratch_recompute(dspark_pair):
+def served_and_fresh(target: Path, draft: Path) -> tuple[dict, list[list[int]], dict | None]:
+    """The served run, its committed prefixes, and a fresh engine's first block on
+    each prefix (None where there is none to give it)."""
+    served = record_drafts(target, draft, "--max-tokens", "24")
+    prefixes = committed_prefixes(served)
+    if not prefixes:
+        return served, prefixes, None
+    extra = ["--max-tokens", "2", "--prompt-ids", json.dumps(prefixes)]
+    return served, prefixes, record_drafts(target, draft, *extra)
+
+
+def plan_recompute(runs: ModuleRuns, inputs: Inputs) -> None:
+    runs.submit("served and fresh", served_and_fresh, inputs.target, inputs.draft)
+
+
+def test_served_draft_logits_equal_a_from_scratch_recompute(dspark_pair, runs):
     """Every block the serving loop drafted, against the same draft computed from
     scratch on the committed prefix: a fresh engine given that prefix as its
     prompt (its first block has only pristine context), and the pure-torch draft.
@@ -188,8 +272,7 @@ def test_served_draft_logits_equal_a_from_scratch_recompute(dspark_pair):
     from dspark_model import DSparkDraft, TinyQwen3ForCausalLM
 
     target_dir, draft_dir = dspark_pair
-    served = record_drafts(target_dir, draft_dir, "--max-tokens", "24")
-    prefixes = committed_prefixes(served)
+    served, prefixes, fresh = runs["served and fresh"]
     assert len(prefixes) >= 10
     lengths_by_prompt: dict[tuple, list[int]] = {}
     for record, prefix in zip(served["records"], prefixes, strict=True):
@@ -205,9 +288,6 @@ def test_served_draft_logits_equal_a_from_scratch_recompute(dspark_pair):
     assert served["published_ids"]
     assert all(seen == expected and expected for seen, expected in served["published_ids"])
 
-    fresh = record_drafts(
-        target_dir, draft_dir, "--max-tokens", "2", "--prompt-ids", json.dumps(prefixes)
-    )
     first_block = {}
     for record in fresh["records"]:
         first_block.setdefault(tuple(record["prompt"]), record)
@@ -231,15 +311,14 @@ def test_served_draft_logits_equal_a_from_scratch_recompute(dspark_pair):
         torch.testing.assert_close(logits, expected[: logits.shape[0]], atol=1e-4, rtol=1e-4)
 
 
-def check_markov_variant(target_dir: Path, draft_dir: Path, vllm_path: tuple = ()) -> None:
-    """Serve a gated or rnn draft: every block drafted equals the pure-torch draft's
-    greedy block on the committed prefix, the head changes some blocks (against the
-    same draft read as vanilla), drafts are accepted, and the output is the target's
-    own greedy output (HF transformers)."""
+def check_markov_variant(target_dir: Path, draft_dir: Path, served: dict) -> None:
+    """A served gated or rnn draft (``record_drafts`` with ``--max-tokens 24``): every
+    block drafted equals the pure-torch draft's greedy block on the committed prefix,
+    the head changes some blocks (against the same draft read as vanilla), drafts
+    are accepted, and the output is the target's own greedy output (HF transformers)."""
     import torch
     from dspark_model import DSparkDraft, TinyQwen3ForCausalLM
 
-    served = record_drafts(target_dir, draft_dir, "--max-tokens", "24", vllm_path=vllm_path)
     prefixes = committed_prefixes(served)
     assert len(prefixes) >= 10
     target = TinyQwen3ForCausalLM.from_pretrained(target_dir).eval()
@@ -272,18 +351,28 @@ def record_drafts_prompts() -> list[str]:
     return DEFAULT_PROMPTS
 
 
+def plan_markov_heads(runs: ModuleRuns, inputs: Inputs, kind: str) -> None:
+    runs.submit(
+        ("markov", kind), record_drafts, inputs.target, inputs.variants[kind], "--max-tokens", "24"
+    )
+
+
 @pytest.mark.parametrize("kind", ["gated", "rnn"])
 def test_gated_and_rnn_markov_heads_serve_what_the_reference_drafts(
-    kind, dspark_pair, dspark_variants
+    kind, dspark_pair, dspark_variants, runs
 ):
     """vLLM's own DSpark class has the vanilla head only; the overlay serves the
     other two with its draft class."""
-    check_markov_variant(dspark_pair[0], dspark_variants[kind])
+    check_markov_variant(dspark_pair[0], dspark_variants[kind], runs["markov", kind])
 
 
-def test_a_malformed_draft_config_fails_in_one_line_naming_the_key(dspark_pair, tmp_path):
-    target, draft = dspark_pair
-    broken = tmp_path / "draft"
+def plan_malformed(runs: ModuleRuns, inputs: Inputs) -> None:
+    broken = malformed_draft(inputs.draft, inputs.scratch / "malformed-draft")
+    runs.submit("malformed", generate, inputs.target, "--dspark", str(broken), check=False)
+
+
+def malformed_draft(draft: Path, broken: Path) -> Path:
+    """The draft with ``markov_head_type`` set to a value no head has."""
     broken.mkdir()
     for item in draft.iterdir():
         (broken / item.name).symlink_to(item)
@@ -291,8 +380,27 @@ def test_a_malformed_draft_config_fails_in_one_line_naming_the_key(dspark_pair, 
     config["markov_head_type"] = "lstm"
     (broken / "config.json").unlink()
     (broken / "config.json").write_text(json.dumps(config))
-    result = generate(target, "--dspark", str(broken), check=False)
+    return broken
+
+
+def test_a_malformed_draft_config_fails_in_one_line_naming_the_key(runs):
+    result = runs["malformed"]
     assert result.returncode != 0
     lines = (result.stdout + result.stderr).splitlines()
     [message] = {line.strip() for line in lines if "markov_head_type='lstm'" in line}
     assert "vanilla, gated, rnn" in message, message
+
+
+PLANS = {
+    test_greedy_dspark_is_lossless_with_real_acceptance.__name__: plan_greedy,
+    test_other_block_sizes_are_lossless.__name__: plan_slots,
+    test_switched_off_stock_rejects_dspark_on_v1.__name__: plan_switched_off,
+    test_probabilistic_drafting_at_temperature_one.__name__: plan_sampled,
+    test_confidence_scheduled_verification_cuts_drafts_losslessly.__name__: plan_confidence,
+    test_async_scheduling_is_lossless_and_scheduled_verification_cuts_in_the_worker.__name__: (
+        plan_async
+    ),
+    test_served_draft_logits_equal_a_from_scratch_recompute.__name__: plan_recompute,
+    test_gated_and_rnn_markov_heads_serve_what_the_reference_drafts.__name__: plan_markov_heads,
+    test_a_malformed_draft_config_fails_in_one_line_naming_the_key.__name__: plan_malformed,
+}

