@@ -81,7 +81,7 @@ def run_python(
     return result
 
 
-GENERATE = REPO / "tools" / "generate.py"
+GENERATE = str(REPO / "tools" / "generate.py")
 
 
 def engine_run(key: str, model: Path, *, multiprocess: bool, **options: Any) -> dict:
@@ -105,7 +105,7 @@ def run_plan(
     scratch.mkdir(parents=True, exist_ok=True)
     plan = scratch / f"plan-{runs[0]['key']}-{len(list(scratch.glob('plan-*')))}.json"
     plan.write_text(json.dumps(runs))
-    result = run_python([str(GENERATE), "--plan", str(plan)], pythonpath=pythonpath, env=env)
+    result = run_python([GENERATE, "--plan", str(plan)], pythonpath=pythonpath, env=env)
     found = {}
     for line in result.stdout.splitlines():
         if line.startswith("RESULT "):

@@ -7,12 +7,14 @@ from it (``tools/distill_dspark.py``), so drafts are really accepted.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import (
+    GENERATE,
     REPO,
     Inputs,
     ModuleRuns,
@@ -25,7 +27,6 @@ from vllm_v4_patches.toggles import STATUS_DIR
 
 pytestmark = pytest.mark.e2e
 
-GENERATE = str(REPO / "tools" / "generate.py")
 PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
 MAX_TOKENS = 32
 ROLES = {"front-end", "engine-core", "worker"}
@@ -33,20 +34,11 @@ RUN = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS}
 STRICT = {"VLLM_V4_PATCHES_STRICT": "1"}  # a patch that fails to apply fails the run
 
 
-def generate(target, *extra: str, overlay: bool = True, env=None, check=True):  # noqa: ANN001
-    """One engine in a process of its own (runs expected to fail)."""
+def failing_run(target: Path, *extra: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """One overlay engine in a process of its own, expected to fail."""
     args = [GENERATE, str(target), "--max-tokens", str(MAX_TOKENS), "--prompts", *PROMPTS]
-    settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_V4_PATCHES_STRICT": "1"}
-    result = run_python(
-        [*args, *extra],
-        pythonpath=[REPO] if overlay else [],
-        env={**settings, **(env or {})},
-        check=check,
-    )
-    if not check:
-        return result
-    [line] = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
-    return json.loads(line.removeprefix("RESULT "))
+    settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", **STRICT, **env}
+    return run_python([*args, *extra], pythonpath=[REPO], env=settings, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +114,7 @@ def test_other_block_sizes_are_lossless(runs, no_speculation, slots):
 
 def plan_switched_off(runs: ModuleRuns, inputs: Inputs) -> None:
     env = {"VLLM_V4_PATCH_DSPARK": "0"}
-    runs.submit(
-        "switched off", generate, inputs.target, "--dspark", str(inputs.draft), env=env, check=False
-    )
+    runs.submit("switched off", failing_run, inputs.target, "--dspark", str(inputs.draft), env=env)
 
 
 def test_switched_off_stock_rejects_dspark_on_v1(runs):
@@ -368,7 +358,7 @@ def test_gated_and_rnn_markov_heads_serve_what_the_reference_drafts(
 
 def plan_malformed(runs: ModuleRuns, inputs: Inputs) -> None:
     broken = malformed_draft(inputs.draft, inputs.scratch / "malformed-draft")
-    runs.submit("malformed", generate, inputs.target, "--dspark", str(broken), check=False)
+    runs.submit("malformed", failing_run, inputs.target, "--dspark", str(broken), env={})
 
 
 def malformed_draft(draft: Path, broken: Path) -> Path:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (
+    GENERATE,
     REPO,
     Inputs,
     ModuleRuns,
@@ -23,7 +24,6 @@ from conftest import (
 
 pytestmark = pytest.mark.e2e
 
-GENERATE = str(REPO / "tools" / "generate.py")
 PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
 MAX_TOKENS = 16
 VLLM_ROLES = {"front-end", "engine-core", "worker"}

@@ -20,6 +20,7 @@ import vllm_builds
 from test_dspark_e2e import check_markov_variant, record_drafts
 
 from conftest import (
+    GENERATE,
     REPO,
     Inputs,
     ModuleRuns,
@@ -33,7 +34,6 @@ from vllm_v4_patches.toggles import STATUS_DIR
 
 pytestmark = pytest.mark.e2e
 
-GENERATE = str(REPO / "tools" / "generate.py")
 INSTALLED = vllm_builds.INSTALLED
 ROLES = {"front-end", "engine-core", "worker"}
 NGRAM_BROKEN_UPSTREAM = {
