@@ -114,6 +114,26 @@ def _describe(cam, threshold: int, split) -> dict:  # noqa: ANN001
     }
 
 
+def regrouped_heads(model: str, head_dim: int) -> dict:
+    """Config overrides giving a Llama-style model heads of ``head_dim`` with the
+    same projection shapes (fewer, wider heads), so its checkpoint still loads."""
+    with open(os.path.join(model, "config.json")) as handle:
+        config = json.load(handle)
+    hidden = config["hidden_size"]
+    if config.get("head_dim") or hidden % head_dim:
+        raise SystemExit(f"--head-dim: {head_dim} must divide hidden_size {hidden}")
+    heads = hidden // head_dim
+    kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    if kv_heads * heads % config["num_attention_heads"]:
+        raise SystemExit(f"--head-dim: {head_dim} leaves no whole number of KV heads")
+    # head_dim too: the loaded config derived it from the original head count
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads * heads // config["num_attention_heads"],
+        "head_dim": head_dim,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -121,8 +141,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="bfloat16 reaches FlashAttention")
     parser.add_argument("--kv-cache-gib", type=float, help="a fixed KV cache (GPU sharing)")
     parser.add_argument("--attention-backend", help="e.g. FLASHINFER (default: vLLM chooses)")
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        help="regroup the model's attention heads to this size (FlashInfer takes 64, 128, 256)",
+    )
     options = parser.parse_args()
     backend = {"attention_backend": options.attention_backend} if options.attention_backend else {}
+    if options.head_dim:
+        backend["hf_overrides"] = regrouped_heads(options.model, options.head_dim)
     # collective_rpc ships the inspection function to the worker by value
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from generate import fixed_kv_cache
@@ -140,6 +167,7 @@ def main() -> None:
     )
     llm.generate(["def main("], SamplingParams(max_tokens=8, temperature=0))
     (result,) = llm.collective_rpc(inspect_in_worker)
+    result["head_size"] = llm.llm_engine.model_config.get_head_size()
     print("RESULT " + json.dumps(result), flush=True)
 
 
