@@ -113,8 +113,12 @@ def rounds(vllm_config: Any) -> Iterator[list[Any]]:
     Kernels specialise on the step's shape: block sizes follow the longest prompt in
     a prefill step (one request per power-of-two prompt length, so each class is
     the longest once), kernel configurations and integer specialisations follow the
-    batch size (a batch of up to MAX_BATCH requests with staggered lengths shrinks
-    through every class), and greedy and sampled requests take different paths.
+    batch size, and greedy and sampled requests take different paths. Triton
+    specialises an integer argument on being 1 or a multiple of 16, and the drafter's
+    kernel configurations change at powers of two, so a uniform batch of every power
+    of two up to MAX_BATCH runs once (a batch that stays at 16 or 64, as a benchmark's
+    does, otherwise meets a variant a shrinking batch can skip); then a batch of up
+    to MAX_BATCH requests with staggered lengths shrinks through the sizes between.
     """
     from vllm.v1.engine import EngineCoreRequest
 
@@ -128,6 +132,8 @@ def rounds(vllm_config: Any) -> Iterator[list[Any]]:
     stagger = max(1, min(MAX_STAGGER, model.max_model_len - PROMPT_TOKENS - reserve))
     # (prompt length, new tokens, sampled) per request
     plan = [[(length, new_tokens, False)] for length in dict.fromkeys(lengths) if length > 0]
+    uniform = [size for size in _powers_of_two(batch) if size > 1]  # 1: the rounds above
+    plan += [[(PROMPT_TOKENS, new_tokens, False)] * size for size in uniform]
     staggered = [1 + i * stagger // batch for i in range(batch)]
     plan.append([(PROMPT_TOKENS, extra + new_tokens, False) for extra in staggered])
     plan.append(
