@@ -120,7 +120,9 @@ def regrouped_heads(model: str, head_dim: int) -> dict:
     with open(os.path.join(model, "config.json")) as handle:
         config = json.load(handle)
     hidden = config["hidden_size"]
-    if config.get("head_dim") or hidden % head_dim:
+    if config.get("head_dim"):
+        raise SystemExit("--head-dim: this model's config sets head_dim; only derived ones regroup")
+    if hidden % head_dim:
         raise SystemExit(f"--head-dim: {head_dim} must divide hidden_size {hidden}")
     heads = hidden // head_dim
     kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
