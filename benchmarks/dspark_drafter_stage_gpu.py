@@ -12,13 +12,16 @@ paths are held to the same tokens; for timing it is a bf16 product, as vLLM's
 ``markov_bias`` (a logits processor over the bias head) computes it.
 DeepSeek-V4-Flash sizes (V = 129280, R = 256, H = 4096, N = 5, bf16).
 
-For each batch: greedy tokens of the fused path must equal the loop's exactly and
-the confidences agree within 1e-5; then the two paths (``VLLM_V4_DSPARK_MARKOV_KERNEL``
-auto and torch) are timed two ways, alternating, medians:
-  * eager, as V1's drafter runs them: one synchronised call (host launch cost included;
-    Triton's Python launcher costs some 50-80 us a launch, and the fused path makes N + 1);
-  * device time: each path captured in a CUDA graph and replayed, timed by events
-    (what the stage costs the GPU when the host runs ahead, as under async scheduling).
+For each batch: greedy tokens of the three paths (``VLLM_V4_DSPARK_MARKOV_KERNEL``
+auto, the fused path replayed from the drafter's CUDA graph; eager, the fused kernel
+launched per call; torch, the loop) must be equal and the confidences agree within
+1e-5; then the three are timed, in rotating order, medians:
+  * host time: from the call to its return, before synchronising (what the drafter's
+    step spends on the host; Triton's Python launcher costs tens of microseconds a
+    launch, and the eager fused path makes N + 1);
+  * wall time: the same call until the device finished it;
+  * device time of the eager and loop paths: captured in a CUDA graph and replayed,
+    timed by events.
 JSON goes to $OUT when it is set.
 """
 
@@ -99,21 +102,36 @@ def inputs(model, batch: int, dtype, device, seed: int):  # noqa: ANN001, ANN201
     return hidden.to(dtype), anchors
 
 
-def run_stage(model, hidden, anchors, choice: str):  # noqa: ANN001, ANN201
-    from vllm_v4_patches.dspark import sampling
+_stage_graphs: dict[int, object] = {}  # batch -> GreedyStageGraphs
 
-    fused = sampling.kernel_choice({sampling.KERNEL_SETTING: choice}) == "auto"
+
+def run_stage(model, hidden, anchors, choice: str):  # noqa: ANN001, ANN201
+    """``choice``: "graphs" (the drafter's default: the fused path replayed from a
+    CUDA graph), "eager" (the fused kernel launched per call) or "torch" (the loop)."""
+    from vllm_v4_patches.dspark import graphs, sampling
+
+    if choice == "graphs":
+        batch = anchors.shape[0]
+        if batch not in _stage_graphs:
+            stage = sampling.greedy_stage(model, SLOTS)
+            _stage_graphs[batch] = graphs.GreedyStageGraphs(stage, SLOTS, (batch,))
+        block = _stage_graphs[batch].draft(hidden, anchors)
+        assert block is not None, "the greedy stage was not captured"
+        return block
+    fused = choice == "eager"
     return sampling.draft_with_markov_head(model, hidden, anchors, SLOTS, None, fused=fused)
 
 
-def timed(model, hidden, anchors, choice: str) -> float:  # noqa: ANN001
+def timed(model, hidden, anchors, choice: str) -> tuple[float, float]:  # noqa: ANN001
+    """(host seconds to enqueue the stage, seconds until the device finished it)."""
     import torch
 
     torch.cuda.synchronize()
     started = time.perf_counter()
     run_stage(model, hidden, anchors, choice)
+    enqueued = time.perf_counter()
     torch.cuda.synchronize()
-    return time.perf_counter() - started
+    return enqueued - started, time.perf_counter() - started
 
 
 def graph_replay_us(
@@ -140,40 +158,43 @@ def graph_replay_us(
     return statistics.median(samples)
 
 
+CHOICES = ("graphs", "eager", "torch")
+
+
 def measure(batch: int, repeats: int, model) -> dict:  # noqa: ANN001
     import torch
 
     hidden, anchors = inputs(model, batch, torch.bfloat16, "cuda", seed=batch)
     with torch.no_grad():
         model.exact_bias = True
-        fused = run_stage(model, hidden, anchors, "auto")
-        loop = run_stage(model, hidden, anchors, "torch")
-        tokens_equal = bool(torch.equal(fused.tokens, loop.tokens))
-        confidence_error = float((fused.confidence - loop.confidence).abs().max())
+        blocks = {choice: run_stage(model, hidden, anchors, choice) for choice in CHOICES}
+        loop = blocks["torch"]
+        tokens_equal = all(torch.equal(b.tokens, loop.tokens) for b in blocks.values())
+        confidence_error = max(
+            float((b.confidence - loop.confidence).abs().max()) for b in blocks.values()
+        )
         model.exact_bias = False
         for _ in range(3):
-            timed(model, hidden, anchors, "auto"), timed(model, hidden, anchors, "torch")
-        fused_s, loop_s = [], []
+            for choice in CHOICES:
+                timed(model, hidden, anchors, choice)
+        host: dict[str, list[float]] = {choice: [] for choice in CHOICES}
+        wall: dict[str, list[float]] = {choice: [] for choice in CHOICES}
         for index in range(repeats):
-            pair = ("auto", "torch") if index % 2 == 0 else ("torch", "auto")
-            for choice in pair:
-                (fused_s if choice == "auto" else loop_s).append(
-                    timed(model, hidden, anchors, choice)
-                )
-        fused_graph = graph_replay_us(model, hidden, anchors, "auto")
+            order = CHOICES[index % 3 :] + CHOICES[: index % 3]
+            for choice in order:
+                enqueue_s, wall_s = timed(model, hidden, anchors, choice)
+                host[choice].append(enqueue_s)
+                wall[choice].append(wall_s)
+        fused_graph = graph_replay_us(model, hidden, anchors, "eager")
         loop_graph = graph_replay_us(model, hidden, anchors, "torch")
-    fused_us, loop_us = statistics.median(fused_s) * 1e6, statistics.median(loop_s) * 1e6
-    return {
-        "batch": batch,
-        "tokens_equal": tokens_equal,
-        "confidence_max_error": confidence_error,
-        "fused_us": round(fused_us, 1),
-        "loop_us": round(loop_us, 1),
-        "loop_over_fused": round(loop_us / fused_us, 2),
-        "fused_device_us": round(fused_graph, 1),
-        "loop_device_us": round(loop_graph, 1),
-        "device_loop_over_fused": round(loop_graph / fused_graph, 2),
-    }
+    row = {"batch": batch, "tokens_equal": tokens_equal, "confidence_max_error": confidence_error}
+    for choice in CHOICES:
+        row[f"{choice}_host_us"] = round(statistics.median(host[choice]) * 1e6, 1)
+        row[f"{choice}_us"] = round(statistics.median(wall[choice]) * 1e6, 1)
+    row["eager_over_graphs_host"] = round(row["eager_host_us"] / row["graphs_host_us"], 2)
+    row["fused_device_us"] = round(fused_graph, 1)
+    row["loop_device_us"] = round(loop_graph, 1)
+    return row
 
 
 def main() -> None:

@@ -140,9 +140,10 @@ def fixed_kv_cache(gib: float | None) -> dict:
 def dspark_drafter_stats(worker) -> dict:  # noqa: ANN001
     """Runs in the worker: the overlay drafter's scheduled and verified draft counts
     (where confidence-scheduled verification cut drafts) and how many of its draft
-    steps the fused Markov kernel drafted; None for what the drafter lacks."""
+    steps the fused Markov kernel drafted, and of those how many a CUDA graph
+    replayed; None for what the drafter lacks."""
     drafter = getattr(worker.model_runner, "drafter", None)
-    names = ("verify_counts", "draft_steps", "fused_draft_steps")
+    names = ("verify_counts", "draft_steps", "fused_draft_steps", "graph_draft_steps")
     return {name: getattr(drafter, name, None) for name in names}
 
 

@@ -102,6 +102,12 @@ def jobs() -> list[Job]:
             True,
             {**V1, "VLLM_V4_DSPARK_MARKOV_KERNEL": "torch"},
         ),
+        Job(
+            "dspark-v1-eager-kernel",
+            [*qwen3, *dspark],
+            True,
+            {**V1, "VLLM_V4_DSPARK_MARKOV_KERNEL": "eager"},
+        ),
         Job("dspark-default-runner", [*qwen3, *dspark], True, min_version="0.25"),
         Job(
             "dspark-v1-async-confidence",
@@ -258,6 +264,20 @@ def dspark_accepts(job: str, kernel: bool | None) -> Check:
         if kernel is not None:
             ok = ok and bool(fused) == kernel and bool(steps)
         return ok, f"acceptance length {length:.2f} over {drafts} drafts; fused {fused}/{steps}"
+
+    return check
+
+
+def stage_from_graphs(job: str, wanted: bool) -> Check:
+    """Whether the drafter's greedy stage was replayed from its CUDA graphs."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        drafter = result_of(outcomes, job).get("dspark_drafter") or {}
+        if "graph_draft_steps" not in drafter:
+            raise NotSaved(job)  # a drafter without the graphs
+        replayed, steps = drafter["graph_draft_steps"], drafter.get("draft_steps")
+        ok = bool(steps) and bool(replayed) == wanted
+        return ok, f"{replayed} of {steps} draft steps replayed from CUDA graphs"
 
     return check
 
@@ -443,6 +463,14 @@ CHECKS: dict[str, Check] = {
     "dp_dummy: patched dummy batch classed as decode": dummy_batch_class("dp-dummy-overlay", True),
     "dspark/v1: greedy equal to no speculation": same_tokens("qwen3-nospec", "dspark-v1"),
     "dspark/v1: acceptance, fused kernel in the drafter": dspark_accepts("dspark-v1", True),
+    "dspark/v1: greedy stage replayed from CUDA graphs": stage_from_graphs("dspark-v1", True),
+    "dspark/v1: fused kernel launched eagerly equals no speculation": same_tokens(
+        "qwen3-nospec", "dspark-v1-eager-kernel"
+    ),
+    "dspark/v1: eager kernel accepts, fused kernel in the drafter": dspark_accepts(
+        "dspark-v1-eager-kernel", True
+    ),
+    "dspark/v1: eager kernel, no CUDA graphs": stage_from_graphs("dspark-v1-eager-kernel", False),
     "dspark/v1: PyTorch loop equals no speculation": same_tokens("qwen3-nospec", "dspark-v1-loop"),
     "dspark/v1: loop accepts, kernel off": dspark_accepts("dspark-v1-loop", False),
     "dspark/v1: status applied in engine processes": status_outcome(

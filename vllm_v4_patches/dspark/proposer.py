@@ -117,7 +117,10 @@ def proposer_class() -> type:
             self._anchors: Any = None
             from vllm_v4_patches.dspark.sampling import kernel_choice
 
-            self.fused_markov = kernel_choice() == "auto"  # read once, warned once
+            choice = kernel_choice()  # read once, warned once
+            self.fused_markov = choice != "torch"
+            self.markov_graphs: Any = None  # built in load_model where choice is auto
+            self.graph_markov = choice == "auto"
             settings = _verification_settings(runner)
             self.scheduled_verify, self.step_cost, self.confidence_lag = settings
             self.warming_up = False  # serving the engine core's warm-up requests
@@ -130,6 +133,7 @@ def proposer_class() -> type:
 
             self.draft_steps = 0
             self.fused_draft_steps = 0  # of draft_steps, those the fused kernel drafted
+            self.graph_draft_steps = 0  # of those, the ones replayed from a CUDA graph
             self.step_cost = verify.StepCostModel(self.step_cost.fixed)
             if self.confidence_lag is not None:
                 self.confidence_lag = verify.ConfidenceLag()
@@ -144,6 +148,7 @@ def proposer_class() -> type:
             serve_with_overlay_class_where_needed(draft_config, self.scheduled_verify)
             super().load_model(target_model)
             fix_context_k_norm(self.model)
+            self.markov_graphs = self._greedy_stage_graphs()
             if self.scheduled_verify and not _scores_confidence(self.model):
                 from vllm_v4_patches.dspark import verify
 
@@ -153,6 +158,16 @@ def proposer_class() -> type:
                     verify.MODE_SETTING,
                 )
                 self.scheduled_verify, self.confidence_lag = False, None
+
+        def _greedy_stage_graphs(self) -> Any:
+            from vllm_v4_patches.dspark import graphs, sampling
+
+            if not (self.graph_markov and graphs.engine_captures_graphs(self.vllm_config)):
+                return None
+            num_slots = self.num_speculative_tokens
+            max_batch = self.vllm_config.scheduler_config.max_num_seqs
+            stage = sampling.greedy_stage(self.model, num_slots)
+            return graphs.GreedyStageGraphs(stage, num_slots, graphs.graph_batch_sizes(max_batch))
 
         def _init_parallel_drafting_params(self) -> None:
             try:
@@ -203,14 +218,20 @@ def proposer_class() -> type:
         ) -> tuple[Any, Any]:
             from vllm_v4_patches.dspark import sampling
 
-            block = sampling.draft_with_markov_head(
-                self.model,
-                hidden_states,
-                self._anchors,
-                self.num_speculative_tokens,
-                sampling.temperatures_for(self, sampling_metadata),
-                fused=self.fused_markov,
-            )
+            temperature = sampling.temperatures_for(self, sampling_metadata)
+            block = None
+            if temperature is None and self.markov_graphs is not None:
+                block = self.markov_graphs.draft(hidden_states, self._anchors)
+                self.graph_draft_steps += block is not None
+            if block is None:
+                block = sampling.draft_with_markov_head(
+                    self.model,
+                    hidden_states,
+                    self._anchors,
+                    self.num_speculative_tokens,
+                    temperature,
+                    fused=self.fused_markov,
+                )
             self.last_confidence = block.confidence
             self.draft_steps += 1
             self.fused_draft_steps += block.fused

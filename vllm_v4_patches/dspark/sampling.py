@@ -12,12 +12,15 @@ Greedy drafts of a vanilla Markov head on a CUDA device go through the fused
 kernel (``markov_kernel``) where it computes exactly what the loop would: the
 whole draft vocabulary's bias weight on this rank (tensor parallel size 1), no
 draft-to-target id map, an unquantized bias weight, logits neither scaled nor
-soft-capped. ``VLLM_V4_DSPARK_MARKOV_KERNEL=torch`` keeps the PyTorch loop.
+soft-capped; ``graphs`` replays that path from CUDA graphs.
+``VLLM_V4_DSPARK_MARKOV_KERNEL=eager`` launches the kernel every step instead, and
+``torch`` keeps the PyTorch loop.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_v4_patches.dspark.heads import DraftBlock, sample_slot
@@ -26,7 +29,9 @@ if TYPE_CHECKING:
     import torch
 
 KERNEL_SETTING = "VLLM_V4_DSPARK_MARKOV_KERNEL"
-KERNEL_CHOICES = ("auto", "torch")
+# auto: the fused kernel, replayed from CUDA graphs where the engine runs graphs;
+# eager: the fused kernel launched every step; torch: the PyTorch loop
+KERNEL_CHOICES = ("auto", "eager", "torch")
 
 logger = logging.getLogger("vllm_v4_patches")
 _kernel_failed: list[Exception] = []  # the kernel's first failure in this process
@@ -70,15 +75,11 @@ def draft_with_markov_head(
     import torch
 
     batch = anchors.shape[0]
-    base_logits = _base_logits(model, hidden_states)
-    base_logits = base_logits.view(batch, num_slots, base_logits.shape[-1])
+    base_logits = block_logits(model, hidden_states, batch, num_slots)
     if temperature is None and fused:
-        tokens = fused_greedy_tokens(model, base_logits, anchors, hidden_states)
-        if tokens is not None:
-            previous = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
-            embeddings = model.markov_embed(previous.flatten()).view(batch, num_slots, -1)
-            confidence = _confidence(model, hidden_states, embeddings.unbind(1), batch)
-            return DraftBlock(tokens=tokens, probs=None, confidence=confidence, fused=True)
+        block = fused_greedy_block(model, base_logits, anchors, hidden_states)
+        if block is not None:
+            return block
     slot_hidden = hidden_states.view(batch, num_slots, hidden_states.shape[-1])
     step = getattr(model, "markov_step", None)  # gated/rnn heads need the hidden state
     previous, state = anchors, None
@@ -102,6 +103,41 @@ def draft_with_markov_head(
         probs=None if temperature is None else torch.stack(distributions, dim=1),
         confidence=confidence,
     )
+
+
+def greedy_stage(model: Any, num_slots: int) -> Callable[[Any, Any], DraftBlock | None]:
+    """``(hidden_states, anchors) -> block`` of the fused greedy path, for ``graphs``
+    to capture: no host synchronisation, no data-dependent shapes."""
+
+    def stage(hidden_states: torch.Tensor, anchors: torch.Tensor) -> DraftBlock | None:
+        base_logits = block_logits(model, hidden_states, anchors.shape[0], num_slots)
+        return fused_greedy_block(model, base_logits, anchors, hidden_states)
+
+    return stage
+
+
+def fused_greedy_block(
+    model: Any, base_logits: torch.Tensor, anchors: torch.Tensor, hidden_states: torch.Tensor
+) -> DraftBlock | None:
+    """The greedy block through the fused kernel, or None where it does not apply."""
+    import torch
+
+    batch, num_slots, _ = base_logits.shape
+    tokens = fused_greedy_tokens(model, base_logits, anchors, hidden_states)
+    if tokens is None:
+        return None
+    previous = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
+    embeddings = model.markov_embed(previous.flatten()).view(batch, num_slots, -1)
+    confidence = _confidence(model, hidden_states, embeddings.unbind(1), batch)
+    return DraftBlock(tokens=tokens, probs=None, confidence=confidence, fused=True)
+
+
+def block_logits(
+    model: Any, hidden_states: torch.Tensor, batch: int, num_slots: int
+) -> torch.Tensor:
+    """The draft's base logits as ``[B, N, V]``."""
+    logits = _base_logits(model, hidden_states)
+    return logits.view(batch, num_slots, logits.shape[-1])
 
 
 def _base_logits(model: Any, hidden_states: torch.Tensor) -> torch.Tensor:
