@@ -17,7 +17,9 @@ each check with pass/fail, its figure and its date, and the throughput figures.
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import re
 import shutil
 import sys
 import tarfile
@@ -76,8 +78,24 @@ def record(run_dir: Path, results: dict) -> None:
     serial = len(list(kept.glob(f"{version}-*.json"))) + 1
     kept_as = kept / f"{version}-{serial}.json"
     shutil.copyfile(run_file, kept_as)
-    shutil.copyfile(run_file.with_name(f"logs-{version}.tar.gz"), logs_of(kept_as))
+    copy_scrubbed(run_file.with_name(f"logs-{version}.tar.gz"), logs_of(kept_as))
     merge(results, kept_as)
+
+
+def copy_scrubbed(logs: Path, kept: Path) -> None:
+    """Copy a run's logs with the machine's paths (the checkout, the staged site
+    packages) written as REPO and SITE: kept logs name no machine's directories."""
+    with tarfile.open(logs) as source, tarfile.open(kept, "w:gz") as target:
+        for member in source.getmembers():
+            text = scrub(source.extractfile(member).read().decode(errors="replace"))
+            data = text.encode()
+            member.size = len(data)
+            target.addfile(member, io.BytesIO(data))
+
+
+def scrub(text: str) -> str:
+    text = re.sub(r"/tmp/gpu-site/[\w.]+", "SITE", text)
+    return text.replace(str(REPO), "REPO")
 
 
 def logs_of(kept_run: Path) -> Path:
