@@ -66,7 +66,7 @@ RECORD = PatchRecord(
     ),
     targets=(
         Target(WORKER_MODULE, f"{WORKER_CLASS}.{WORKER_METHOD}"),
-        Target(V1_MODULE, f"{RUNNER_CLASS}.{V1_METHOD}", runner="V1"),
+        Target(V1_MODULE, f"{RUNNER_CLASS}.{V1_METHOD}", runner="V1", shared_with=("dspark",)),
         Target(V2_MODULE, f"{RUNNER_CLASS}.{V2_METHOD}", runner="V2", versions=">=0.28"),
     ),
     vllm_versions=">=0.20.0",

@@ -4,13 +4,16 @@ Every change a patch makes goes through its :class:`Patcher`: wrapping a
 function or method with a wrapt ``FunctionWrapper``, or rebinding a copy that
 another module took with ``from x import y``. Applying twice changes nothing
 the second time; revert restores the original objects, and refuses (loudly)
-when something else has since been installed over one of ours.
+when something else has since been installed over one of ours. Two patches may
+wrap one attribute (their records declare it shared): the later wrapper calls the
+earlier, and either reverts alone, in any order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +52,7 @@ class Patcher:
         self.known_copies: list[tuple[KnownCopy, Any]] = []  # (copy, replacement)
         self.armed: list[str] = []  # targets to wrap when their module is imported
         self.undos: list[tuple[str, Callable[[], None]]] = []  # (what, how to undo it)
+        self.temporary: list[tuple[Any, str]] = []  # (owner, name) bound by swap_during
         self._reverted = False
 
     def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> Any:
@@ -173,24 +177,59 @@ class Patcher:
         return patched, imported, stale
 
     def revert(self) -> None:
+        outer = {id(swap): self._outer_wrapper(swap) for swap in self.swaps}
         for swap in reversed(self.swaps):
-            current = vars(swap.owner).get(swap.name, _MISSING)
-            if current is not swap.replacement:
+            if outer[id(swap)] is _MISSING:
                 raise RevertError(
                     f"{_label(swap)} was replaced after vllm_v4_patches.{self.patch_id} "
                     "patched it; not reverting over the newer object"
                 )
         for swap in reversed(self.swaps):
-            if swap.original is _MISSING:
+            wrapper = outer[id(swap)]
+            if wrapper is not None:
+                # another patch of this overlay wrapped ours since: unlink ours from
+                # the chain, its wrapper now calls what ours called
+                wrapper.__wrapped__ = swap.original
+            elif swap.original is _MISSING:
                 delattr(swap.owner, swap.name)
             else:
-                setattr(swap.owner, swap.name, swap.original)
+                setattr(swap.owner, swap.name, _unwrapped(swap))
         for _, undo in reversed(self.undos):
             undo()
         self.swaps.clear()
         self.undos.clear()
         self.known_copies.clear()
         self._reverted = True  # hooks still pending must not install anything now
+
+    @staticmethod
+    def _outer_wrapper(swap: Swap) -> Any:
+        """None where ``swap.replacement`` is still installed; the overlay wrapper
+        installed over it where another patch wrapped the same attribute later;
+        _MISSING where anything else replaced it."""
+        current = vars(swap.owner).get(swap.name, _MISSING)
+        if current is swap.replacement:
+            return None
+        while getattr(current, _MARK, None) is not None and not isinstance(current, property):
+            inner = getattr(current, "__wrapped__", _MISSING)
+            if inner is swap.replacement:
+                return current
+            current = inner
+        return _MISSING
+
+    @contextlib.contextmanager
+    def swap_during(self, owner: Any, names: tuple[str, ...], replacement: Any) -> Iterator[None]:
+        """Bind ``owner.<name>`` to ``replacement`` for the length of a block, for
+        a name read only inside one call (a class a constructor instantiates).
+        Recorded in ``temporary`` so that an audit sees every attribute touched."""
+        originals = {name: getattr(owner, name) for name in names}
+        self.temporary.extend((owner, name) for name in names)
+        for name in names:
+            setattr(owner, name, replacement)
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(owner, name, original)
 
     def restate(self, outcome: str, detail: str) -> None:
         """The patch's later word on its outcome in this process.
@@ -217,6 +256,15 @@ class _MarkedProperty(property):
         if name == _MARK:
             return self.patch_id
         raise AttributeError(name)
+
+
+def _unwrapped(swap: Swap) -> Any:
+    """What ``swap.replacement`` calls now: its original, unless a patch it wrapped
+    was reverted since and unlinked itself (then what that patch had wrapped)."""
+    replacement = swap.replacement
+    if isinstance(replacement, property) or not hasattr(replacement, "__wrapped__"):
+        return swap.original
+    return replacement.__wrapped__
 
 
 def _label(swap: Swap) -> str:

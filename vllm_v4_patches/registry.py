@@ -35,6 +35,10 @@ class Target:
     qualname: str
     runner: str | None = None  # "V1" / "V2" where the two model runners differ
     versions: str = ""  # the releases where this target holds the code, if not all
+    # the other patches that wrap this attribute too (their wrappers compose: the
+    # later calls the earlier); an attribute no record shares has one owner
+    shared_with: tuple[str, ...] = ()
+    during: str = ""  # bound only while this call runs (Patcher.swap_during)
 
     def __str__(self) -> str:
         return f"{self.module}:{self.qualname}"

@@ -34,6 +34,9 @@ DRAFTS_METHOD = "take_draft_token_ids"
 STEP_METHOD = "execute_model"
 METADATA_METHOD = "_build_attention_metadata"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+# the runner module's drafter classes, bound to the DSpark drafter's builder while a
+# DSpark runner's __init__ runs
+DRAFTER_NAMES = ("EagleProposer", "DFlashProposer")
 # vLLM's JIT monitor: vllm.triton_utils.jit_monitor (0.24), vllm.utils.jit_monitor (0.26+)
 JIT_MONITOR_MODULES = ("vllm.triton_utils.jit_monitor", "vllm.utils.jit_monitor")
 DSPARK_SETTINGS = (
@@ -123,10 +126,19 @@ RECORD = PatchRecord(
         Target(CONFIG_MODULE, f"VllmConfig.{RUNNER_CHOICE}", versions=">=0.22"),
         Target(CONFIG_MODULE, f"VllmConfig.{UNSUPPORTED_METHOD}", versions=">=0.29"),
         Target(RUNNER_MODULE, "GPUModelRunner.__init__", runner="V1"),
+        *(
+            Target(RUNNER_MODULE, name, runner="V1", during="GPUModelRunner.__init__")
+            for name in DRAFTER_NAMES
+        ),
         Target(RUNNER_MODULE, f"GPUModelRunner.{AUX_LAYERS_METHOD}", runner="V1"),
         Target(RUNNER_MODULE, f"GPUModelRunner.{DRAFTS_METHOD}", runner="V1"),
         Target(RUNNER_MODULE, f"GPUModelRunner.{STEP_METHOD}", runner="V1"),
-        Target(RUNNER_MODULE, f"GPUModelRunner.{METADATA_METHOD}", runner="V1"),
+        Target(
+            RUNNER_MODULE,
+            f"GPUModelRunner.{METADATA_METHOD}",
+            runner="V1",
+            shared_with=("dp_dummy",),
+        ),
         Target(ENGINE_CORE_MODULE, "EngineCore.__init__"),
         Target(JIT_MONITOR_MODULES[0], "activate", versions="0.24"),
         Target(JIT_MONITOR_MODULES[1], "activate", versions=">=0.26"),
@@ -267,7 +279,8 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
             CONFIG_MODULE, "VllmConfig", RUNNER_CHOICE, watch, getter=True
         )
         done.append(f"{how} VllmConfig.{RUNNER_CHOICE}")
-    patcher.wrap_when_imported(RUNNER_MODULE, "GPUModelRunner", "__init__", install_dspark_drafter)
+    drafter_install = functools.partial(install_dspark_drafter, patcher)
+    patcher.wrap_when_imported(RUNNER_MODULE, "GPUModelRunner", "__init__", drafter_install)
     runner_wrappers = {
         AUX_LAYERS_METHOD: dspark_target_taps,
         DRAFTS_METHOD: schedule_verification,
@@ -500,7 +513,9 @@ def _v2_cannot_run() -> bool:
     return envs.VLLM_USE_V2_MODEL_RUNNER is None and not HAS_TRITON
 
 
-def install_dspark_drafter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+def install_dspark_drafter(
+    patcher: Patcher, wrapped: Any, instance: Any, args: tuple, kwargs: dict
+) -> Any:
     _, call_args, _ = split_receiver(instance, args)
     vllm_config = call_args[0] if call_args else kwargs["vllm_config"]
     if not is_dspark(vllm_config.speculative_config):
@@ -514,16 +529,8 @@ def install_dspark_drafter(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     # or its DFlash branch where dspark stands in as dflash (before 0.25); for the
     # length of __init__ both build the DSpark drafter instead (an EAGLE drafter
     # would not even construct for some DSpark configs)
-    runner_module = sys.modules[RUNNER_MODULE]
-    drafter_names = ("EagleProposer", "DFlashProposer")
-    originals = {name: getattr(runner_module, name) for name in drafter_names}
-    for name in drafter_names:
-        setattr(runner_module, name, build_dspark_drafter)
-    try:
+    with patcher.swap_during(sys.modules[RUNNER_MODULE], DRAFTER_NAMES, build_dspark_drafter):
         result = wrapped(*args, **kwargs)
-    finally:
-        for name, original in originals.items():
-            setattr(runner_module, name, original)
     runner, _, _ = split_receiver(instance, args)
     runner.use_aux_hidden_state_outputs = True
     from vllm_v4_patches.dspark import warmup
