@@ -1,4 +1,4 @@
-"""``python -m vllm_v4_patches {path,status,matrix}``."""
+"""``python -m vllm_v4_patches {path,status,matrix,explain}``."""
 
 from __future__ import annotations
 
@@ -60,6 +60,17 @@ def _matrix(as_json: bool) -> int:
     return 0
 
 
+def _explain(patch_id: str) -> int:
+    from vllm_v4_patches.explain import explain
+
+    try:
+        print(explain(patch_id.strip()))
+    except KeyError as exc:
+        print(f"vllm_v4_patches explain: {exc.args[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vllm_v4_patches")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -72,12 +83,18 @@ def main(argv: list[str] | None = None) -> int:
         "matrix", help="the compatibility matrix, with the installed vLLM's row marked"
     )
     matrix.add_argument("--json", action="store_true")
+    explain = commands.add_parser(
+        "explain", help="a patch's record: why, how, upstream, removal plan, targets, matrix"
+    )
+    explain.add_argument("patch_id", metavar="ID")
     args = parser.parse_args(argv)
     if args.command == "path":
         print(overlay_dir())
         return 0
     if args.command == "matrix":
         return _matrix(args.json)
+    if args.command == "explain":
+        return _explain(args.patch_id)
     return _status(args.json)
 
 
