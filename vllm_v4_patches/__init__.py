@@ -20,6 +20,7 @@ PATCH_MODULES: tuple = (
     "vllm_v4_patches.cudagraph",
     "vllm_v4_patches.dp_dummy",
     "vllm_v4_patches.dspark",
+    "vllm_v4_patches.cpu_expand",
 )
 
 _armed = False
