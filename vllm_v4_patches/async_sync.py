@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_v4_patches.patcher import split_receiver
 from vllm_v4_patches.registry import PatchRecord, ProbeResult, Target
-from vllm_v4_patches.sources import SourceReader, find_class, find_method, names_in
+from vllm_v4_patches.sources import SourceReader, find_class, find_method, names_in, read_method
 
 if TYPE_CHECKING:
     from vllm_v4_patches.patcher import Patcher
@@ -70,14 +70,8 @@ def probe(source: SourceReader) -> ProbeResult:
     return ProbeResult.per_runner({"V1": _v1_verdict(source), "V2": _v2_verdict(source)})
 
 
-def _method(source: SourceReader, module: str, cls_name: str, name: str) -> ast.AST | None:
-    text = source.read(module)
-    cls = find_class(ast.parse(text), cls_name) if text else None
-    return find_method(cls, name) if cls else None
-
-
 def _v1_verdict(source: SourceReader) -> str:
-    method = _method(source, V1_MODULE, V1_CLASS, V1_METHOD)
+    method = read_method(source, V1_MODULE, V1_CLASS, V1_METHOD)
     if method is None:
         return "absent"
     return "not-needed" if names_in(method) & _GUARDS else "needed"

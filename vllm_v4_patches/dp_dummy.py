@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING, Any
 from vllm_v4_patches.errors import ProbeError
 from vllm_v4_patches.patcher import split_receiver
 from vllm_v4_patches.registry import PatchRecord, ProbeResult, Target
-from vllm_v4_patches.sources import SourceReader, dotted, find_class, find_method, names_in
+from vllm_v4_patches.sources import (
+    SourceReader,
+    dotted,
+    find_class,
+    find_method,
+    names_in,
+    read_method,
+)
 
 if TYPE_CHECKING:
     from vllm_v4_patches.patcher import Patcher
@@ -89,14 +96,8 @@ def probe(source: SourceReader) -> ProbeResult:
     return ProbeResult.per_runner({"V1": _v1_verdict(source), "V2": _v2_verdict(source)})
 
 
-def _method(source: SourceReader, module: str, cls_name: str, name: str) -> ast.AST | None:
-    text = source.read(module)
-    cls = find_class(ast.parse(text), cls_name) if text else None
-    return find_method(cls, name) if cls else None
-
-
 def _dummy_batch_call(source: SourceReader) -> ast.Call | None:
-    method = _method(source, WORKER_MODULE, WORKER_CLASS, WORKER_METHOD)
+    method = read_method(source, WORKER_MODULE, WORKER_CLASS, WORKER_METHOD)
     if method is None:
         return None
     for node in ast.walk(method):
@@ -125,7 +126,7 @@ def _v1_verdict(source: SourceReader) -> str:
 
 
 def _v2_verdict(source: SourceReader) -> str:
-    dummy_run = _method(source, V2_MODULE, RUNNER_CLASS, V2_METHOD)
+    dummy_run = read_method(source, V2_MODULE, RUNNER_CLASS, V2_METHOD)
     if dummy_run is None:
         return "absent"
     parameters = dummy_run.args.args + dummy_run.args.kwonlyargs

@@ -80,6 +80,15 @@ def find_method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
     return None
 
 
+def read_method(
+    source: SourceReader, module: str, cls_name: str, name: str
+) -> ast.FunctionDef | None:
+    """``cls_name.name`` in ``module``'s source, or None where any of them is missing."""
+    text = source.read(module)
+    cls = find_class(ast.parse(text), cls_name) if text else None
+    return find_method(cls, name) if cls else None
+
+
 def dotted(node: ast.AST) -> str:
     """``self.quant_method.embedding`` for an attribute chain, else ''."""
     parts: list[str] = []
