@@ -2,7 +2,7 @@
 
 The Triton path is checked against this same reference on the GPU by
 benchmarks/dspark_markov_gpu.py; here the reference itself is checked against a
-float64 loop written straight from dspark.md sections 2 and 3.
+float64 loop written straight from docs/dspark.md sections 2 and 3.
 """
 
 from __future__ import annotations

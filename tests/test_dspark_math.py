@@ -23,7 +23,7 @@ the sampler without the overlay.
 
 Negative controls that the tests must catch: a verifier fed the uncorrected base
 distribution instead of the one the draft was sampled from; a residual sample that
-reuses the draft's noise (dspark.md 5.3); and the paper's Appendix A retrospective
+reuses the draft's noise (docs/dspark.md 4.3); and the paper's Appendix A retrospective
 scheduler (no early stop), which turns ``(0.7, 0.3)`` into ``(0.85, 0.15)``.
 """
 
@@ -657,7 +657,7 @@ def test_verifying_against_the_uncorrected_distribution_is_caught(
 
 
 def test_residual_noise_reusing_draft_noise_is_caught() -> None:
-    """Negative control (dspark.md 5.3): residual drawn with the draft's own noise."""
+    """Negative control (docs/dspark.md 4.3): residual drawn with the draft's own noise."""
     world = make_world()
     result = simulate(
         world,
@@ -707,7 +707,7 @@ def test_greedy_target_matches_greedy_decoding(
 
 
 def test_scheduler_budget_follows_the_sps_curve() -> None:
-    """dspark.md 9.6: SPS drops after B = 4, so two drafts are verified in total."""
+    """docs/dspark.md 5.3: SPS drops after B = 4, so two drafts are verified in total."""
     sps = {2: 1.0, 3: 1.0, 4: 1.0, 5: 0.5, 6: 0.5}
     assert heads.choose_verify_lengths([[0.9, 0.72], [0.6, 0.3]], sps) == [2, 0]
 

@@ -10,7 +10,7 @@ Writes (each skipped when already complete; built in ``*.partial`` then renamed)
   regular enough for a draft to learn.
 * ``tiny-qwen3-dspark``: a DeepSpec-format DSpark draft (``architectures:
   ["Qwen3DSparkModel"]``, ``model_type: qwen3``), trained on the target's own greedy
-  continuations with the DSpark loss (``dspark.md`` sections 1.2, 2, 3, 10), plus
+  continuations with the DSpark loss (``docs/dspark.md`` sections 2, 3, 11), plus
   ``distill_report.json``.
 
 Draft config keys (besides the Qwen3 keys, ``num_hidden_layers`` = draft layers):

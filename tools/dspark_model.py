@@ -10,7 +10,7 @@ stream after every layer: ``layer_outputs[0]`` is the embedding output and
 tap ``target_layer_ids = [l, ...]`` reads ``layer_outputs[l + 1]`` (``-1`` = the
 embeddings), the same rows vLLM's aux-hidden-state capture returns.
 
-Draft (``DSparkDraft``, ``dspark.md`` section 1.1): context features
+Draft (``DSparkDraft``, ``docs/dspark.md`` section 1.1): context features
 ``H_ctx = hidden_norm(fc(concat taps))``; in every draft layer the keys / values are
 ``[k_norm(k_proj(H_ctx)) ; k_norm(k_proj(x_block))]`` (RoPE at each row's own
 position; the context is *not* passed through the layer's ``input_layernorm``),
@@ -258,7 +258,7 @@ class TinyQwen3ForCausalLM(nn.Module):
 
 
 class MarkovHead(nn.Module):
-    """Low-rank transition bias from the previous token (``dspark.md`` 2).
+    """Low-rank transition bias from the previous token (``docs/dspark.md`` section 2).
 
     vanilla: ``markov_w2(markov_w1[prev])``; gated: the code scaled by
     ``sigmoid(gate_proj([h ; code]))``; rnn: ``[g, c, o] = joint_proj([s ; code ; h])``,
@@ -527,7 +527,7 @@ def greedy_speculative_decode(
     prompt: Sequence[int],
     max_new_tokens: int,
 ) -> SpecDecodeResult:
-    """DeepSpec's reference loop (``dspark.md`` 7.2) with a full target recompute per step.
+    """DeepSpec's reference loop (``docs/dspark.md`` 4.4) with a full target recompute per step.
 
     The recompute keeps it obviously correct: each step the target runs over the
     committed tokens plus the drafts, which yields both the verify logits and the

@@ -262,7 +262,9 @@ def write_matrix(matrix: dict, path: Path = MATRIX_FILE) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vllm_v4_patches.compat")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("sweep", help="probe every release from 0.20.0 to the newest")
+    run = commands.add_parser(
+        "sweep", help=f"probe every release from {FIRST_RELEASE} to the newest"
+    )
     run.add_argument("--check", action="store_true", help="compare, do not write")
     run.add_argument("--versions", nargs="*", help="only these releases (default: all listed)")
     args = parser.parse_args(argv)

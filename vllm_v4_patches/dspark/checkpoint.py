@@ -1,6 +1,6 @@
 """DSpark draft checkpoints: parse both config formats into one ``DSparkDraftSpec``.
 
-Two formats exist (reference: ``dspark.md`` section 6):
+Two formats exist (``docs/dspark.md`` section 8):
 
 * **DeepSpec Qwen3** (``deepseek-ai/dspark_qwen3_*``): a standalone HF model with
   ``architectures: ["Qwen3DSparkModel"]``, the ordinary Qwen3 keys describing the
@@ -55,7 +55,7 @@ class DSparkDraftSpec:
     ``mask_token_id`` is the id embedded at the non-anchor block slots (DeepSpec's
     ``mask_token_id``, DSV4's ``dspark_noise_token_id``). ``target_layer_ids`` keep
     the checkpoint's own semantics (DeepSpec / V4: output of that layer, ``-1`` the
-    embedding output; V4.1: attention input), see ``dspark.md`` section 1.3.
+    embedding output; V4.1: attention input), see ``docs/dspark.md`` section 1.3.
     ``num_draft_layers`` is ``None`` only for a V4 config read without
     ``n_mtp_layers`` or weight names, where the stage count is not known yet.
     """

@@ -4,7 +4,7 @@ After the parallel backbone has produced base logits for all N slots of a draft
 block, DSpark picks the drafts left to right: slot k adds a rank-r bias that
 depends on the token chosen at slot k-1 (the anchor for slot 0), then takes the
 argmax (or a Gumbel-max sample). The confidence head scores each slot from the
-backbone hidden state and the same Markov embedding (dspark.md sections 2-3).
+backbone hidden state and the same Markov embedding (docs/dspark.md sections 2-3).
 
 The work per slot is a [B, r] x [r, V] product plus an argmax over V. With
 DeepSeek-V4-Flash sizes (V = 129280, r = 256) the bias weight is 66 MB of bf16,
