@@ -150,3 +150,36 @@ def test_large_batches_plan_through_the_vectorised_chooser_with_the_same_lengths
     )
     lengths = verify.verify_lengths(confidence, cost)
     assert lengths == expected and 0 < sum(lengths) < confidence.numel()
+
+
+def test_the_owner_cuts_plans_counts_and_restarts():
+    """ScheduledVerification: synchronous cuts from the newest confidences, async cuts
+    of vLLM's SchedulerOutput from the older ones, both counted; restart forgets."""
+    torch = pytest.importorskip("torch")
+    output_module = pytest.importorskip("vllm.v1.core.sched.output")
+    confidence = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.3, 0.9, 0.9, 0.9]])
+    sync = verify.ScheduledVerification((1.0, 1.0), lagged=False)
+    drafts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    cut = sync.cut_drafts(["a", "b"], drafts, confidence)
+    expected = verify.verify_lengths(confidence, verify.StepCostModel((1.0, 1.0)))
+    assert [len(ids) for ids in cut] == expected and sync.lengths == dict(
+        zip("ab", expected, strict=True)
+    )
+    assert sync.counts == {"scheduled": 8, "verified": sum(expected)}
+    assert sync.cut_drafts(["a"], drafts, confidence) is None  # rows do not match
+    sync.restart()
+    assert sync.counts == {"scheduled": 0, "verified": 0} and sync.lengths == {}
+
+    lagged = verify.ScheduledVerification((1.0, 1.0), lagged=True)
+    assert lagged.cut_drafts(["a", "b"], drafts, confidence) is None  # async cuts steps
+    step = output_module.SchedulerOutput.make_empty()
+    step.num_scheduled_tokens = {"a": 5, "b": 5}
+    step.scheduled_spec_decode_tokens = {"a": [-1] * 4, "b": [-1] * 4}
+    step.total_num_scheduled_tokens = 10
+    older = torch.tensor([[0.95, 0.95, 0.95, 0.95], [0.05, 0.9, 0.9, 0.9]])
+    lagged.cut_step(step, older, ["a", "b"], draft_step=1)  # kept; planned from none
+    lagged.restart()
+    lagged.cut_step(step, older, ["a", "b"], draft_step=1)
+    trimmed, scheduled_counts = lagged.cut_step(step, confidence, ["a", "b"], draft_step=2)
+    assert scheduled_counts.get("b") == 4 and "b" not in trimmed.scheduled_spec_decode_tokens
+    assert lagged.counts["scheduled"] == 16 and lagged.counts["verified"] < 16  # two cuts

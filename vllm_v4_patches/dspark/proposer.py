@@ -36,18 +36,18 @@ def presented_as(speculative_config: Any, method: str) -> Iterator[None]:
         object.__setattr__(speculative_config, "method", original)
 
 
-def _verification_settings(runner: Any) -> tuple[bool, Any, Any]:
-    """Whether confidence-scheduled verification is on here, its cost model, and,
-    under async scheduling, where the lagged confidences are kept (else None)."""
+def _verification(runner: Any) -> Any:
+    """The drafter's ScheduledVerification where confidence-scheduled verification
+    is on, lagged under async scheduling; None where every draft is verified."""
     from vllm_v4_patches.dspark import verify
 
-    cost = verify.StepCostModel(verify.fixed_cost())
     if verify.verify_mode() != "confidence":
-        return False, cost, None
+        return None
+    fixed = verify.fixed_cost()
     if not getattr(runner, "use_async_scheduling", False):
-        return True, cost, None
+        return verify.ScheduledVerification(fixed, lagged=False)
     world_size = getattr(getattr(runner, "parallel_config", None), "world_size", 1)
-    if world_size > 1 and cost.fixed is None:
+    if world_size > 1 and fixed is None:
         # each rank cuts its own copy of the step: measured step periods differ
         # between ranks, a fixed cost model does not
         verify.logger.warning(
@@ -57,8 +57,8 @@ def _verification_settings(runner: Any) -> tuple[bool, Any, Any]:
             world_size,
             verify.COST_SETTING,
         )
-        return False, cost, None
-    return True, cost, verify.ConfidenceLag()
+        return None
+    return verify.ScheduledVerification(fixed, lagged=True)
 
 
 def serve_with_overlay_class_where_needed(hf_config: Any, needs_confidence: bool) -> None:
@@ -121,35 +121,35 @@ def proposer_class() -> type:
             self.fused_markov = choice != "torch"
             self.markov_graphs: Any = None  # built in load_model where choice is auto
             self.graph_markov = choice == "auto"
-            settings = _verification_settings(runner)
-            self.scheduled_verify, self.step_cost, self.confidence_lag = settings
+            self.verification = _verification(runner)  # None: every draft verified
             self.warming_up = False  # serving the engine core's warm-up requests
             self.reset_counters()
+
+        @property
+        def verify_counts(self) -> dict[str, int]:
+            """Drafts scheduled and verified where scheduled verification cut them."""
+            if self.verification is None:
+                return {"scheduled": 0, "verified": 0}
+            return self.verification.counts
 
         def reset_counters(self) -> None:
             """Counters and step-cost history from zero (after the engine core's
             warm-up requests, whose steps include compilation)."""
-            from vllm_v4_patches.dspark import verify
-
             self.draft_steps = 0
             self.fused_draft_steps = 0  # of draft_steps, those the fused kernel drafted
             self.graph_draft_steps = 0  # of those, the ones replayed from a CUDA graph
-            self.step_cost = verify.StepCostModel(self.step_cost.fixed)
-            if self.confidence_lag is not None:
-                self.confidence_lag = verify.ConfidenceLag()
-            self.verify_lengths: dict[str, int] = {}  # request id -> drafts verified
-            # drafts scheduled and verified where scheduled verification cut them
-            self.verify_counts = {"scheduled": 0, "verified": 0}
+            if self.verification is not None:
+                self.verification.restart()
 
         def load_model(self, target_model: Any) -> None:
             from vllm_v4_patches.dspark.context_norm import fix_context_k_norm
 
             draft_config = self.draft_model_config.hf_config
-            serve_with_overlay_class_where_needed(draft_config, self.scheduled_verify)
+            serve_with_overlay_class_where_needed(draft_config, self.verification is not None)
             super().load_model(target_model)
             fix_context_k_norm(self.model)
             self.markov_graphs = self._greedy_stage_graphs()
-            if self.scheduled_verify and not _scores_confidence(self.model):
+            if self.verification is not None and not _scores_confidence(self.model):
                 from vllm_v4_patches.dspark import verify
 
                 verify.logger.warning(
@@ -157,7 +157,7 @@ def proposer_class() -> type:
                     "(enable_confidence_head); this one has none, so every draft is verified",
                     verify.MODE_SETTING,
                 )
-                self.scheduled_verify, self.confidence_lag = False, None
+                self.verification = None
 
         def _greedy_stage_graphs(self) -> Any:
             from vllm_v4_patches.dspark import graphs, sampling

@@ -243,3 +243,72 @@ def _copy_to_host(confidence: Any) -> tuple[Any, Any]:
     done = torch.cuda.Event()
     done.record()
     return host, done
+
+
+class ScheduledVerification:
+    """Confidence-scheduled verification of one drafter: the step-cost model, under
+    async scheduling the lagged confidences, each request's planned length, and the
+    counts of drafts scheduled and verified. The runner's wrappers hand it the
+    step's drafts (synchronous) or scheduler output (async) and use what it cuts."""
+
+    def __init__(self, fixed: tuple[float, float] | None, lagged: bool) -> None:
+        self.fixed = fixed
+        self.lagged = lagged
+        self.restart()
+
+    def restart(self) -> None:
+        """Cost history, lagged confidences and counts from zero (after the engine
+        core's warm-up requests, whose steps include compilation)."""
+        self.cost = StepCostModel(self.fixed)
+        self.lag = ConfidenceLag() if self.lagged else None
+        self.lengths: dict[str, int] = {}  # request id -> drafts verified, last cut
+        self.counts = {"scheduled": 0, "verified": 0}  # where a cut was planned
+
+    def cut_drafts(
+        self, req_ids: list[str], draft_token_ids: list[list[int]], confidence: Any
+    ) -> list[list[int]] | None:
+        """Synchronous scheduling: each request's drafts cut to its admitted prefix
+        before the scheduler sees them, or None (verify them all)."""
+        if self.lag is not None or confidence is None or confidence.shape[0] != len(req_ids):
+            return None
+        lengths = verify_lengths(confidence, self.cost)
+        if lengths is None:
+            return None  # no cost model yet
+        scheduled = sum(len(ids) for ids in draft_token_ids)
+        self._record(dict(zip(req_ids, lengths, strict=True)), scheduled)
+        return truncate(draft_token_ids, lengths)
+
+    def cut_step(
+        self, scheduler_output: Any, confidence: Any, req_ids: list[str], draft_step: int
+    ) -> tuple[Any, dict[str, int]]:
+        """Async scheduling: keep the newest confidences, then cut this step's
+        scheduled drafts to the lengths planned from the older ones; returns the
+        step's scheduler output and the scheduled draft count of every request cut."""
+        self.lag.capture(confidence, req_ids, draft_step)
+        if confidence is None or laid_out_for_every_draft(scheduler_output):
+            return scheduler_output, {}
+        scheduled = {
+            req_id: len(drafts)
+            for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items()
+            if drafts
+        }
+        lengths = lagged_verify_lengths(scheduled, self.lag.stale(), self.cost)
+        if lengths is None:
+            return scheduler_output, {}
+        self._record(lengths, sum(scheduled.values()))
+        return trim_scheduled_drafts(scheduler_output, lengths)
+
+    def _record(self, lengths: dict[str, int], scheduled: int) -> None:
+        self.lengths = lengths
+        self.counts["scheduled"] += scheduled
+        self.counts["verified"] += sum(lengths.values())
+
+
+def laid_out_for_every_draft(scheduler_output: Any) -> bool:
+    """Whether the engine core built more of this step around its scheduled drafts
+    than the runner's inputs: a grammar bitmask, or a KV connector's plan."""
+    return bool(
+        getattr(scheduler_output, "has_structured_output_requests", False)
+        or getattr(scheduler_output, "structured_output_request_ids", None)
+        or getattr(scheduler_output, "kv_connector_metadata", None) is not None
+    )
