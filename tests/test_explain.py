@@ -34,3 +34,13 @@ def test_an_unknown_id_gets_one_line_naming_the_patches():
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
     assert "'nope'" in line and all(patch_id in line for patch_id in patch_ids())
+
+
+def test_readme_shows_the_generated_patch_table():
+    from vllm_v4_patches import explain as explain_module
+
+    readme = explain_module.README.read_text()
+    begin = readme.index(explain_module.TABLE_BEGIN) + len(explain_module.TABLE_BEGIN)
+    shown = readme[begin : readme.index(explain_module.TABLE_END)].strip()
+    assert shown == explain_module.patch_table()
+    assert len(shown.splitlines()) == 2 + len(load_patches())
