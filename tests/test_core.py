@@ -449,3 +449,37 @@ def test_a_forked_vllm_process_reports_under_its_own_role(target_module, tmp_pat
 
 def _status_texts(directory) -> list[str]:
     return [path.read_text() for path in sorted(directory.glob("*.json"))]
+
+
+def test_a_status_file_is_never_written_through_a_planted_link(tmp_path):
+    """Links planted in a shared status folder, at the file's name and at the old
+    fixed temporary name, redirect nothing: the victims keep their contents and the
+    status file is a regular file holding the document."""
+    from vllm_v4_patches import status as status_mod
+
+    victim, other = tmp_path / "victim", tmp_path / "other"
+    victim.write_text("keep")
+    other.write_text("keep too")
+    folder = tmp_path / "status"
+    folder.mkdir()
+    document = {"pid": 4242, "role": "front-end", "patches": {}}
+    (folder / "4242.json").symlink_to(victim)
+    (folder / "4242.json.tmp").symlink_to(other)
+    status_mod.write_status_file(str(folder), document)
+    written = folder / "4242.json"
+    assert not written.is_symlink() and json.loads(written.read_text()) == document
+    assert victim.read_text() == "keep" and other.read_text() == "keep too"
+    assert sorted(p.name for p in folder.iterdir()) == ["4242.json", "4242.json.tmp"]
+
+
+def test_an_unwritable_status_folder_warns_once_and_raises_nothing(tmp_path, caplog):
+    from vllm_v4_patches import status as status_mod
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a file where the folder should be: makedirs fails
+    folder = str(blocked / "status")
+    with caplog.at_level("WARNING", logger="vllm_v4_patches"):
+        for pid in (1, 2):
+            status_mod.write_status_file(folder, {"pid": pid, "patches": {}})
+    warnings = [r for r in caplog.records if "VLLM_V4_PATCHES_STATUS_DIR" in r.getMessage()]
+    assert len(warnings) == 1 and folder in warnings[0].getMessage()

@@ -71,20 +71,41 @@ def report(vllm_version: str | None, patches: dict[str, PatchStatus]) -> dict:
     }
 
 
+_unwritable: set[str] = set()  # status directories already warned about
+
+
 def write_status_file(directory: str, document: dict) -> None:
+    """Write ``<pid>.json`` in ``directory`` atomically: the document goes to a
+    temporary file created exclusively there (never through a link someone planted,
+    and readers never see half of it), which is then renamed over the target (a
+    link at the target is replaced, not followed). An unwritable directory gets
+    one warning per process; serving goes on."""
+    import contextlib
+    import tempfile
+
+    temporary = None
     try:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"{document['pid']}.json")
-        temporary = path + ".tmp"
-        with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, indent=1, sort_keys=True)
-        os.replace(temporary, path)  # readers never see a half-written file
+        handle, temporary = tempfile.mkstemp(prefix=f".{document['pid']}.", dir=directory)
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            json.dump(document, stream, indent=1, sort_keys=True)
+        os.chmod(temporary, 0o644)  # mkstemp creates 0600; readers are other users
+        os.replace(temporary, path)
+        temporary = None
     except OSError as exc:
-        logger.warning(
-            "vllm_v4_patches: cannot write the status file in " "VLLM_V4_PATCHES_STATUS_DIR=%r: %s",
-            directory,
-            exc,
-        )
+        if directory not in _unwritable:
+            _unwritable.add(directory)
+            logger.warning(
+                "vllm_v4_patches: cannot write the status file in "
+                "VLLM_V4_PATCHES_STATUS_DIR=%r: %s",
+                directory,
+                exc,
+            )
+    finally:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
 
 
 def summary_line(document: dict) -> str:
