@@ -611,3 +611,40 @@ def write_markov_variant(
     shutil.rmtree(out, ignore_errors=True)
     os.replace(staging, out)
     return out
+
+
+def write_dflash_variant(draft_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> str:
+    """Copy a DeepSpec DSpark draft as a DFlash draft vLLM serves with its own
+    ``dflash`` method (no overlay): the same block layers, ``DFlashDraftModel``, the
+    mask token and target layers under ``dflash_config``, no Markov or confidence
+    head. Its drafts are not DSpark's; it exists to run vLLM's DFlash machinery on
+    the same shapes without the overlay. Written once per ``out_dir``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = os.fspath(out_dir)
+    if os.path.exists(os.path.join(out, "model.safetensors")):
+        return out
+    with open(os.path.join(draft_dir, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    heads = ("markov_head.", "confidence_head.")
+    tensors = load_file(os.path.join(draft_dir, "model.safetensors"))
+    tensors = {name: t for name, t in tensors.items() if not name.startswith(heads)}
+    config["architectures"] = ["DFlashDraftModel"]
+    config["dflash_config"] = {
+        "mask_token_id": config["mask_token_id"],
+        "target_layer_ids": config["target_layer_ids"],
+    }
+    for key in ("markov_rank", "markov_head_type", "enable_confidence_head"):
+        config.pop(key, None)
+    config.pop("confidence_head_with_markov", None)
+    staging = out + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(draft_dir, staging)
+    with open(os.path.join(staging, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump(config, handle, indent=2)
+    save_file(tensors, os.path.join(staging, "model.safetensors"))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(staging, out)
+    return out

@@ -66,6 +66,7 @@ def generate(
     kv_cache_gib: float | None = None,
     bench_batches: tuple[int, ...] = (),
     close: bool = False,
+    dflash: str | None = None,
 ) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
@@ -77,6 +78,8 @@ def generate(
     speculative = NGRAM if ngram else None
     if eagle:
         speculative = {"method": "eagle", "model": eagle, "num_speculative_tokens": 3}
+    if dflash:
+        speculative = {"method": "dflash", "model": dflash, "num_speculative_tokens": spec_tokens}
     if dspark:
         speculative = {"method": "dspark", "model": dspark, "num_speculative_tokens": spec_tokens}
         # collective_rpc ships dspark_drafter_stats to the worker by value
@@ -233,6 +236,7 @@ def main() -> None:
         "--sync-scheduling", dest="async_scheduling", action="store_false", help="forced off"
     )
     parser.add_argument("--dspark", help="DSpark speculative decoding with this draft")
+    parser.add_argument("--dflash", help="vLLM's own DFlash with this DFlash-format draft")
     parser.add_argument("--spec-tokens", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -264,6 +268,7 @@ def main() -> None:
         args.dtype,
         args.kv_cache_gib,
         tuple(args.bench_batches),
+        dflash=args.dflash,
     )
     print("RESULT " + json.dumps(result))
 

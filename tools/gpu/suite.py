@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent.parent
 MODELS = REPO / ".cache" / "models"
 LLAMA, QWEN3, DRAFT = (MODELS / n for n in ("tiny-llama", "tiny-qwen3", "tiny-qwen3-dspark"))
+DFLASH_DRAFT = MODELS / "tiny-qwen3-dflash"  # the DSpark draft as a DFlash draft, made here
 GENERATE = str(REPO / "tools" / "generate.py")
 INSPECT = str(REPO / "tools" / "inspect_dummy_batch.py")
 EMBEDDING = str(REPO / "tools" / "gpu" / "embedding_fault.py")
@@ -144,6 +145,22 @@ def jobs() -> list[Job]:
             below_version="0.21",
             part="extra",
         ),
+        # 0.20.2's DSpark engines die in the warm-up's shrinking batch (async
+        # scheduling, compiled, CUDA graphs): the same without async, and eagerly
+        Job(
+            "dspark-v1-sync",
+            [*qwen3, *dspark, "--sync-scheduling"],
+            True,
+            V1,
+            below_version="0.21",
+        ),
+        Job(
+            "dspark-v1-eager",
+            [GENERATE, str(QWEN3), *TOKENS, *KV, *dspark],
+            True,
+            V1,
+            below_version="0.21",
+        ),
         Job(
             "bench-dspark-blocking",
             [*compiled_qwen3, "--max-tokens", "64", "--bench-batches", "16", *KV, *dspark],
@@ -154,6 +171,15 @@ def jobs() -> list[Job]:
         ),
         Job("embedding-stock", [EMBEDDING], False),
         Job("embedding-overlay", [EMBEDDING], True),
+        Job(
+            "bench-dflash-stock",
+            [*compiled_qwen3, *BENCH, *KV, "--dflash", str(DFLASH_DRAFT), "--spec-tokens", "4"],
+            False,
+            V1,
+            min_version="0.24",
+            part="extra",
+            alone=True,
+        ),
         Job("bench-nospec", [*compiled_qwen3, *BENCH, *KV], False, V1, alone=True),
         Job("bench-dspark", [*compiled_qwen3, *BENCH, *KV, *dspark], True, V1, alone=True),
     ]
@@ -506,6 +532,15 @@ CHECKS: dict[str, Check] = {
         "bench-dspark-blocking"
     ),
     "dspark/v1: timing run (batch 1, 16, 64; 64 tokens) completes": completes("bench-dspark"),
+    "dspark/v1 (diagnostic): synchronous scheduling, greedy equal": same_tokens(
+        "qwen3-nospec", "dspark-v1-sync"
+    ),
+    "dspark/v1 (diagnostic): eager (no compile, no CUDA graphs), greedy equal": same_tokens(
+        "qwen3-nospec", "dspark-v1-eager"
+    ),
+    "dflash (diagnostic): vLLM's own DFlash drafter, no overlay, timing run completes": completes(
+        "bench-dflash-stock"
+    ),
     "dspark/default runner: greedy equal to no speculation": same_tokens(
         "qwen3-nospec", "dspark-default-runner"
     ),
@@ -587,6 +622,11 @@ def main() -> None:
         for j in jobs_for(version)
         if (not args.only or j.name in args.only) and args.part in ("all", j.part)
     ]
+    if any(str(DFLASH_DRAFT) in job.args for job in chosen):
+        sys.path.insert(0, str(REPO / "tools"))
+        from dspark_model import write_dflash_variant
+
+        write_dflash_variant(DRAFT, DFLASH_DRAFT)
     scratch = Path(tempfile.mkdtemp(prefix="gpu-suite-"))
     started = time.perf_counter()
     outcomes = run_jobs(chosen, args.jobs, started + args.deadline, scratch)
@@ -615,7 +655,7 @@ def main() -> None:
     for row in rows:
         mark = {True: "PASS", False: "FAIL", None: "SKIP"}[row["passed"]]
         print(f"{mark}  {row['check']}: {row['figure'][:200]}")
-    for name in ("bench-nospec", "bench-dspark"):
+    for name in ("bench-nospec", "bench-dspark", "bench-dflash-stock"):
         result = outcomes.get(name) and outcomes[name].result
         if result:
             print(
