@@ -10,7 +10,8 @@ distribution differs from the target's. The emitted token stream is compared wit
 exactly enumerated target law by chi-square tests on the first token and on every
 consecutive pair ``(y_{t-1}, y_t)`` up to ``t = N + 1``, so each draft slot and the
 bonus path are exercised. Each test runs twice: through the reference sampler
-(``rejection_sample_reference``) and through vLLM's REAL V1 sampler
+(``rejection_oracle.rejection_sample_reference``, under ``tests/``) and through
+vLLM's REAL V1 sampler
 (``vllm.v1.sample.rejection_sampler.rejection_sample`` with the bonus from
 ``vllm.v1.sample.sampler.Sampler``, run on the CPU through the platform's C++ kernel
 overrides). The vLLM half proves that handing V1 the Markov-corrected
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+import rejection_oracle
 import torch
 
 from vllm_v4_patches.dspark import heads
@@ -135,7 +137,7 @@ class ReferenceVerifier:
                 generator=self.residual_generator,
                 dtype=DTYPE,
             )
-        result = heads.rejection_sample_reference(
+        result = rejection_oracle.rejection_sample_reference(
             target_probs,
             inputs.draft_tokens,
             inputs.draft_probs,
@@ -553,7 +555,7 @@ def test_reference_sampler_greedy_cases() -> None:
     target_argmax = torch.tensor([[1, 2, 3, 0]] * 4)
     target_probs = torch.nn.functional.one_hot(target_argmax, 4).to(DTYPE)
     drafts = torch.tensor([[1, 2, 3], [1, 0, 3], [2, 2, 3], [1, 2, 3]])
-    result = heads.rejection_sample_reference(
+    result = rejection_oracle.rejection_sample_reference(
         target_probs,
         drafts,
         None,
@@ -570,7 +572,7 @@ def test_reference_sampler_accept_threshold_and_residual() -> None:
     target = torch.tensor([0.3, 0.5, 0.2], dtype=DTYPE)
     draft = torch.tensor([0.6, 0.1, 0.3], dtype=DTYPE)
     uniforms = torch.tensor([[0.49], [0.51]], dtype=DTYPE)
-    result = heads.rejection_sample_reference(
+    result = rejection_oracle.rejection_sample_reference(
         target.expand(2, 2, 3),
         torch.zeros(2, 1, dtype=torch.long),
         draft.expand(2, 1, 3),
