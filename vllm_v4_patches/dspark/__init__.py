@@ -1,19 +1,20 @@
 """Patch ``dspark``: DSpark speculative decoding on vLLM's V1 model runner.
 
-The patch record, probe and apply live here; the drafter (``proposer``), the
-sequential stage over a loaded draft (``sampling``), the pure math (``heads``), the
-draft-config parser (``checkpoint``) and the fused GPU Markov loop
-(``markov_kernel``) are submodules, imported only when used.
+The patch record, probe and apply live here. The hooks apply installs are in
+``config_hooks`` (how a dspark config reaches V1, per release) and ``runner_hooks``
+(the V1 runner builds and drives the drafter); the drafter (``proposer``), its
+sequential stage over a loaded draft (``sampling``, replayed by ``graphs``), the
+pure math (``heads``), scheduled verification (``verify``), the warm-up
+(``warmup``), the draft-config parser (``checkpoint``) and the fused GPU Markov
+loop (``markov_kernel``) are submodules, imported only when used.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from vllm_v4_patches.patcher import split_receiver
 from vllm_v4_patches.registry import PatchRecord, ProbeResult, Target
 from vllm_v4_patches.sources import SourceReader, dotted, find_class, find_method, names_in
 
@@ -246,6 +247,23 @@ def _forces_v2_for_dspark(choice: ast.AST) -> bool:
 def apply(patcher: Patcher, found: ProbeResult) -> str:
     # Every target waits for its module: apply runs while vllm.config is still
     # importing, so importing the runner (or VllmConfig) here would be circular.
+    from vllm_v4_patches.dspark import warmup
+    from vllm_v4_patches.dspark.config_hooks import (
+        accept_dspark_as_dflash,
+        accept_dspark_on_v1,
+        register_draft_class,
+        v1_for_dspark_stand_in,
+        watch_runner_choice,
+    )
+    from vllm_v4_patches.dspark.runner_hooks import (
+        dspark_target_taps,
+        install_dspark_drafter,
+        publish_request_ids,
+        run_engine_step,
+        schedule_verification,
+        warm_after_start,
+    )
+
     routes = found.facts.get("routes", [])
     done = []
     # The overlay's draft class: for every DSpark draft where vLLM has none
@@ -294,345 +312,8 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
     for method, wrapper in runner_wrappers.items():
         how = patcher.wrap_when_imported(RUNNER_MODULE, "GPUModelRunner", method, wrapper)
     done.append(f"{how} V1 GPUModelRunner.__init__, .{', .'.join(runner_wrappers)}")
-    from vllm_v4_patches.dspark import warmup
-
     how = patcher.wrap_when_imported(ENGINE_CORE_MODULE, "EngineCore", "__init__", warm_after_start)
     for module in JIT_MONITOR_MODULES:
         patcher.wrap_when_imported(module, "", "activate", warmup.hold_jit_monitor)
     done.append(f"{how} EngineCore.__init__ (warm-up), jit_monitor.activate")
     return "; ".join(done)
-
-
-def is_dspark(speculative_config: Any) -> bool:
-    if speculative_config is None:
-        return False
-    if speculative_config.method == "dspark":
-        return True
-    draft = getattr(speculative_config, "draft_model_config", None)
-    return getattr(getattr(draft, "hf_config", None), DRAFT_METHOD_MARK, None) == "dspark"
-
-
-# -- 0.20-0.24: dspark as vLLM's dflash method --------------------------------
-
-
-def accept_dspark_as_dflash(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    if kwargs.get("method") != "dspark":
-        return wrapped(*args, **kwargs)
-    _check_stand_in_request(kwargs)
-    result = wrapped(*args, **{**kwargs, "method": "dflash"})
-    config, _, _ = split_receiver(instance, args)
-    _mark_dspark_draft(config.draft_model_config.hf_config)
-    return result
-
-
-def _check_stand_in_request(kwargs: dict) -> None:
-    import vllm.envs as envs
-    from vllm import __version__
-
-    if not kwargs.get("model"):
-        raise ValueError(
-            f"speculative_config.model: method 'dspark' on vLLM {__version__} needs a DSpark "
-            f"draft checkpoint ({DSPARK_ARCHITECTURE}); drafts inside a DeepSeek-V4 "
-            "checkpoint need vLLM >= 0.25"
-        )
-    if envs.VLLM_USE_V2_MODEL_RUNNER:
-        raise ValueError(
-            f"VLLM_USE_V2_MODEL_RUNNER=1: vLLM {__version__}'s V2 model runner has no DSpark; "
-            "method 'dspark' runs on the V1 runner (unset it or set it to 0)"
-        )
-    target = kwargs.get("target_model_config")
-    validate_draft_paths(kwargs["model"], getattr(target, "model", None))
-
-
-def _mark_dspark_draft(hf_config: Any) -> None:
-    """Check the draft is one the overlay's class runs, and mark it as DSpark."""
-    from vllm_v4_patches.dspark.checkpoint import MARKOV_HEAD_TYPES
-
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    if not set(architectures) & set(DSPARK_ARCHITECTURES):
-        raise ValueError(
-            f"speculative_config.model: architectures={architectures} is not a DSpark draft "
-            f"this vLLM can run; accepted: {DSPARK_ARCHITECTURE}"
-        )
-    head_type = getattr(hf_config, "markov_head_type", "vanilla")
-    if head_type not in MARKOV_HEAD_TYPES:
-        raise ValueError(
-            f"markov_head_type={head_type!r} is not supported on this vLLM; accepted: "
-            f"{', '.join(MARKOV_HEAD_TYPES)}"
-        )
-    expose_keys_to_dflash(hf_config)
-    setattr(hf_config, DRAFT_METHOD_MARK, "dspark")
-
-
-EXPOSED_MARK = "vllm_v4_exposed_dflash_keys"
-
-
-def expose_keys_to_dflash(hf_config: Any) -> tuple[str, ...]:
-    """Give vLLM's DFlash code the DSpark keys it looks for in ``dflash_config``;
-    returns the keys the overlay added there (the same answer on every call).
-
-    DeepSpec drafts keep ``target_layer_ids`` and ``mask_token_id`` at the top level
-    (DeepSeek-V4 drafts as ``dspark_*``); the DFlash Qwen3 draft before 0.27 sizes
-    its context projection from ``dflash_config`` only (else from its own layer
-    count: a 2-layer draft with 3 taps fails to load on 0.25-0.26, on either
-    runner), and the V1 drafter before 0.29 looks for the mask token there. Keys
-    already set win.
-    """
-    added = getattr(hf_config, EXPOSED_MARK, None)
-    if added is not None:
-        return added
-    dflash_config = dict(getattr(hf_config, "dflash_config", None) or {})
-    added = []
-    for key in ("target_layer_ids", "mask_token_id"):
-        value = getattr(hf_config, key, None)
-        if value is None:
-            value = getattr(hf_config, f"dspark_{key}", None)
-        if value is not None and key not in dflash_config:
-            dflash_config[key] = value
-            added.append(key)
-    hf_config.dflash_config = dflash_config
-    setattr(hf_config, EXPOSED_MARK, tuple(added))
-    return tuple(added)
-
-
-def register_draft_class(registry_module: Any, architectures: tuple[str, ...]) -> Any:
-    """Make vLLM's registry resolve these architectures (the overlay's own name; on
-    0.20-0.24 also the DeepSpec one and the name vLLM's dflash EAGLE config gives it)
-    to the overlay's draft class; returns the undo."""
-    from vllm_v4_patches.dspark.draft_model import MODEL_REFERENCE
-
-    registry = registry_module.ModelRegistry
-    previous = {arch: registry.models.get(arch) for arch in architectures}
-    for arch in architectures:
-        registry.register_model(arch, MODEL_REFERENCE)
-
-    def undo() -> None:
-        for arch, entry in previous.items():
-            if entry is None:
-                registry.models.pop(arch, None)
-            else:
-                registry.models[arch] = entry
-
-    return undo
-
-
-def v1_for_dspark_stand_in(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    use_v2 = wrapped(*args, **kwargs)
-    config, _, _ = split_receiver(instance, args)
-    if use_v2 and is_dspark(config.speculative_config):
-        import vllm.envs as envs
-
-        if envs.VLLM_USE_V2_MODEL_RUNNER is None:
-            return False  # this release's V2 runner would draft it as plain DFlash
-    return use_v2
-
-
-def accept_dspark_on_v1(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    unsupported = wrapped(*args, **kwargs)
-    if UNSUPPORTED_ENTRY not in unsupported:
-        return unsupported
-    config, _, _ = split_receiver(instance, args)
-    validate_draft_checkpoint(config)
-    return [feature for feature in unsupported if feature != UNSUPPORTED_ENTRY]
-
-
-def validate_draft_checkpoint(vllm_config: Any) -> tuple[str, ...]:
-    """Check a dspark config's draft (once per draft config) and expose its keys to
-    vLLM's DFlash code; returns the keys the overlay added."""
-    speculative = vllm_config.speculative_config
-    draft = getattr(speculative, "draft_model_config", None)
-    if draft is not None and hasattr(draft.hf_config, EXPOSED_MARK):
-        return getattr(draft.hf_config, EXPOSED_MARK)
-    validate_draft_paths(speculative.model, vllm_config.model_config.model)
-    return expose_keys_to_dflash(draft.hf_config) if draft is not None else ()
-
-
-def validate_draft_paths(draft: str | None, target: str | None) -> None:
-    """A malformed local DSpark draft config fails here, in one line naming the key,
-    rather than somewhere inside model loading."""
-    import os
-
-    from vllm_v4_patches.dspark.checkpoint import load_draft_spec
-
-    if draft and os.path.isfile(os.path.join(draft, "config.json")):
-        has_target = target and os.path.isfile(os.path.join(target, "config.json"))
-        load_draft_spec(draft, target_path=target if has_target else None)
-
-
-V2_ACTIVE = (
-    "this engine runs vLLM's V2 model runner, which has DSpark natively; "
-    "the overlay's V1 hooks stay idle"
-)
-
-
-def watch_runner_choice(
-    restate: Callable[[str, str], None], v1_fallback: bool, v2_reads_dflash_config: bool
-) -> Callable:
-    """The runner-choice getter's wrapper on releases with native DSpark (V2, 0.25+).
-
-    Which runner an engine builds is known only once its config is. With
-    ``v1_fallback`` (0.25-0.28, where vLLM forces V2 for dspark) a dspark config
-    that V2 cannot run goes to V1. Where V2 runs a dspark config and vLLM's DFlash
-    draft class reads its taps from ``dflash_config`` only
-    (``v2_reads_dflash_config``, before 0.27), the draft's DeepSpec keys are
-    exposed there too, and the status says the overlay was needed (``applied``);
-    otherwise V2 needs nothing from it (``not-needed``).
-    """
-
-    def choose_runner(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        config, _, _ = split_receiver(instance, args)
-        use_v2 = wrapped(*args, **kwargs)
-        if not is_dspark(config.speculative_config):
-            if use_v2:
-                restate("not-needed", V2_ACTIVE)
-            return use_v2
-        if use_v2 and v1_fallback and _v2_cannot_run():
-            use_v2 = False  # V2 would refuse to start; the overlay's V1 drafter runs DSpark
-        if not use_v2:
-            validate_draft_checkpoint(config)
-            return False
-        exposed = validate_draft_checkpoint(config) if v2_reads_dflash_config else ()
-        if exposed:
-            restate("applied", v2_serves_with_exposed_keys(exposed))
-        else:
-            restate("not-needed", V2_ACTIVE)
-        return True
-
-    return choose_runner
-
-
-def v2_serves_with_exposed_keys(exposed: tuple[str, ...]) -> str:
-    keys = ", ".join(f"dflash_config.{key}" for key in exposed)
-    return (
-        "this engine runs vLLM's V2 model runner, whose DSpark drafts the model; the "
-        f"overlay gave it the draft's {keys} (a DeepSpec draft keeps them at the top "
-        "level); the V1 hooks stay idle"
-    )
-
-
-def _v2_cannot_run() -> bool:
-    import vllm.envs as envs
-    from vllm.triton_utils import HAS_TRITON
-
-    return envs.VLLM_USE_V2_MODEL_RUNNER is None and not HAS_TRITON
-
-
-def install_dspark_drafter(
-    patcher: Patcher, wrapped: Any, instance: Any, args: tuple, kwargs: dict
-) -> Any:
-    _, call_args, _ = split_receiver(instance, args)
-    vllm_config = call_args[0] if call_args else kwargs["vllm_config"]
-    if not is_dspark(vllm_config.speculative_config):
-        return wrapped(*args, **kwargs)
-    # whichever way this config reached V1 (the user's VLLM_USE_V2_MODEL_RUNNER=0,
-    # the fallback, or the dflash stand-in), the drafter reads the exposed keys
-    validate_draft_checkpoint(vllm_config)
-    import sys
-
-    # vLLM's drafter chain takes its EAGLE branch for dspark (use_eagle() is true),
-    # or its DFlash branch where dspark stands in as dflash (before 0.25); for the
-    # length of __init__ both build the DSpark drafter instead (an EAGLE drafter
-    # would not even construct for some DSpark configs)
-    with patcher.swap_during(sys.modules[RUNNER_MODULE], DRAFTER_NAMES, build_dspark_drafter):
-        result = wrapped(*args, **kwargs)
-    runner, _, _ = split_receiver(instance, args)
-    runner.use_aux_hidden_state_outputs = True
-    from vllm_v4_patches.dspark import warmup
-
-    warmup.runner_built()
-    return result
-
-
-def warm_after_start(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    result = wrapped(*args, **kwargs)
-    core, call_args, _ = split_receiver(instance, args)
-    vllm_config = call_args[0] if call_args else kwargs["vllm_config"]
-    if is_dspark(vllm_config.speculative_config):
-        from vllm_v4_patches.dspark import warmup
-
-        warmup.warm_engine_core(core, vllm_config)
-    return result
-
-
-def build_dspark_drafter(vllm_config: Any, device: Any, runner: Any = None) -> Any:
-    from vllm_v4_patches.dspark.proposer import proposer_class
-
-    return proposer_class()(vllm_config, device, runner)
-
-
-def dspark_target_taps(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    runner, _, _ = split_receiver(instance, args)
-    if not is_dspark(runner.speculative_config):
-        return wrapped(*args, **kwargs)
-    draft = runner.speculative_config.draft_model_config.hf_config
-    layer_ids = getattr(draft, "dspark_target_layer_ids", None) or getattr(
-        draft, "target_layer_ids", None
-    )
-    if not layer_ids:
-        return wrapped(*args, **kwargs)
-    # checkpoints name the layer whose output they tap; vLLM's aux index i is the
-    # stream entering layer i, i.e. the output of layer i - 1
-    return tuple(layer_id + 1 for layer_id in layer_ids)
-
-
-def _dspark_drafter(runner: Any) -> Any:
-    drafter = getattr(runner, "drafter", None)
-    return drafter if getattr(drafter, "draft_method", None) == "dspark" else None
-
-
-def run_engine_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    runner, call_args, receiver = split_receiver(instance, args)
-    drafter = _dspark_drafter(runner)
-    if drafter is None:
-        return wrapped(*args, **kwargs)
-    scheduler_output = call_args[0] if call_args else kwargs["scheduler_output"]
-    from vllm_v4_patches.dspark import warmup
-
-    warmup.end_of_warmup(drafter, scheduler_output)
-    verification = drafter.verification
-    if verification is None:
-        return wrapped(*args, **kwargs)
-    scheduled_counts: dict[str, int] = {}
-    if verification.lag is not None:
-        scheduler_output, scheduled_counts = verification.cut_step(
-            scheduler_output,
-            drafter.last_confidence,
-            runner.input_batch.req_ids,
-            drafter.draft_steps,
-        )
-        if call_args:
-            args = (*receiver, scheduler_output, *call_args[1:])
-        else:
-            kwargs = {**kwargs, "scheduler_output": scheduler_output}
-    verification.cost.step_started(scheduler_output.total_num_scheduled_tokens)
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        # vLLM corrects a request's computed tokens next step by the drafts the
-        # scheduler counted (its optimistic count), not by the drafts verified
-        for req_id, count in scheduled_counts.items():
-            state = runner.requests.get(req_id)
-            if state is not None:
-                state.prev_num_draft_len = count
-
-
-def schedule_verification(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    drafts = wrapped(*args, **kwargs)
-    runner, _, _ = split_receiver(instance, args)
-    drafter = _dspark_drafter(runner)
-    if drafts is None or drafter is None or drafter.verification is None:
-        return drafts
-    cut = drafter.verification.cut_drafts(
-        drafts.req_ids, drafts.draft_token_ids, drafter.last_confidence
-    )
-    return drafts if cut is None else type(drafts)(drafts.req_ids, cut)
-
-
-def publish_request_ids(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    runner, _, _ = split_receiver(instance, args)
-    if _dspark_drafter(runner) is None:
-        return wrapped(*args, **kwargs)
-    from vllm_v4_patches import request_ids
-
-    with request_ids.published(runner.input_batch.req_ids):
-        return wrapped(*args, **kwargs)
