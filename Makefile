@@ -11,6 +11,11 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE := 1
 export VLLM_HOST_IP := 127.0.0.1
+# The venv is installed without bytecode (--no-compile, below): the first process
+# that imports a module has to be allowed to write it, or every engine process
+# compiles torch's and vLLM's modules from source again (`from vllm import LLM`:
+# 18 s instead of 9 s on the 2-core machine, whose shell sets this variable).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv model lint test test-fast demo bench gpu-stage clean
 

@@ -219,12 +219,18 @@ def test_async_scheduling_is_lossless_and_scheduled_verification_cuts_in_the_wor
     assert counters["num_accepted_tokens"] > 0
 
 
-def record_drafts(target, draft, *extra: str, vllm_path: tuple = ()) -> dict:  # noqa: ANN001
+def record_drafts(
+    target: Path | str,
+    draft: Path | str,
+    *extra: str,
+    vllm_path: tuple = (),
+    env: dict[str, str] | None = None,
+) -> dict:
     script = str(REPO / "tools" / "record_dspark_drafts.py")
     result = run_python(
         [script, str(target), str(draft), *extra],
         pythonpath=[*vllm_path, REPO],
-        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})},
     )
     [line] = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
     return json.loads(line.removeprefix("RESULT "))

