@@ -120,7 +120,8 @@ class GreedyStageGraphs:
                 # an eager run first: Triton compiles and loads this size's kernels
                 # outside the capture, and a stage that does not apply is found here
                 if self.stage(*inputs) is None:
-                    self._give_up("the fused Markov kernel does not apply to this draft")
+                    # gated or rnn heads, tensor parallel: the loop drafts, by design
+                    self._give_up("the fused Markov kernel does not apply to this draft", False)
                     return False
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
@@ -140,11 +141,12 @@ class GreedyStageGraphs:
         )
         return True
 
-    def _give_up(self, reason: str) -> None:
+    def _give_up(self, reason: str, failed: bool = True) -> None:
         self.captured.clear()
         self.usable = False
         self.hidden = self.anchors = None
-        logger.warning(
+        logger.log(
+            logging.WARNING if failed else logging.INFO,
             "vllm_v4_patches: dspark: greedy draft stage not captured in CUDA graphs (%s); "
             "it runs eagerly",
             reason,
