@@ -530,3 +530,18 @@ def test_pure_torch_speculative_decoding_is_lossless(tiny_target: Any, tiny_draf
         proposal = tiny_draft.propose_greedy(taps, len(prompt) - 1, prompt[-1])
         assert proposal.tokens.shape == (4,) and proposal.logits.shape == (4, 1024)
         assert ((proposal.confidence > 0) & (proposal.confidence < 1)).all()
+
+
+def test_drafting_past_the_block_gets_one_line_naming_both_settings(dspark_pair, caplog):
+    from vllm_v4_patches.dspark.config_hooks import validate_draft_paths, warn_past_block
+
+    target, draft = dspark_pair
+    spec = validate_draft_paths(str(draft), str(target))
+    with caplog.at_level("WARNING", logger="vllm_v4_patches"):
+        quiet = [warn_past_block(n, spec.block_size, str(draft)) for n in (1, spec.block_size)]
+        assert caplog.records == [] and quiet == [False, False]
+        assert warn_past_block(spec.block_size + 2, spec.block_size, str(draft))
+    [record] = caplog.records
+    line = record.getMessage()
+    assert "\n" not in line and f"num_speculative_tokens={spec.block_size + 2}" in line
+    assert f"block_size={spec.block_size}" in line and f"{draft}/config.json" in line

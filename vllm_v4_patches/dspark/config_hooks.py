@@ -158,20 +158,45 @@ def validate_draft_checkpoint(vllm_config: Any) -> tuple[str, ...]:
     draft = getattr(speculative, "draft_model_config", None)
     if draft is not None and hasattr(draft.hf_config, EXPOSED_MARK):
         return getattr(draft.hf_config, EXPOSED_MARK)
-    validate_draft_paths(speculative.model, vllm_config.model_config.model)
+    spec = validate_draft_paths(speculative.model, vllm_config.model_config.model)
+    if spec is not None:
+        warn_past_block(speculative.num_speculative_tokens, spec.block_size, speculative.model)
     return expose_keys_to_dflash(draft.hf_config) if draft is not None else ()
 
 
-def validate_draft_paths(draft: str | None, target: str | None) -> None:
+def warn_past_block(num_tokens: int | None, block_size: int, draft: str) -> bool:
+    """One line where more tokens are drafted than the draft's block was trained for:
+    verification keeps the output exact, but slots past the block draft from
+    positions the draft never saw, so acceptance drops. Returns whether it warned."""
+    if num_tokens is None or num_tokens <= block_size:
+        return False
+    import logging
+
+    logging.getLogger("vllm_v4_patches").warning(
+        "vllm_v4_patches: dspark: num_speculative_tokens=%d exceeds the draft's "
+        "block_size=%d (%s/config.json); output stays exact, but slots past %d draft "
+        "from positions the draft was not trained on (accepts 1..%d serve best)",
+        num_tokens,
+        block_size,
+        draft,
+        block_size,
+        block_size,
+    )
+    return True
+
+
+def validate_draft_paths(draft: str | None, target: str | None) -> Any:
     """A malformed local DSpark draft config fails here, in one line naming the key,
-    rather than somewhere inside model loading."""
+    rather than somewhere inside model loading; returns the local draft's
+    ``DSparkDraftSpec`` (None for a draft that is not a local folder)."""
     import os
 
     from vllm_v4_patches.dspark.checkpoint import load_draft_spec
 
-    if draft and os.path.isfile(os.path.join(draft, "config.json")):
-        has_target = target and os.path.isfile(os.path.join(target, "config.json"))
-        load_draft_spec(draft, target_path=target if has_target else None)
+    if not (draft and os.path.isfile(os.path.join(draft, "config.json"))):
+        return None
+    has_target = target and os.path.isfile(os.path.join(target, "config.json"))
+    return load_draft_spec(draft, target_path=target if has_target else None)
 
 
 V2_ACTIVE = (
