@@ -574,9 +574,8 @@ def write_markov_variant(
     open (bias +1) and varies with the hidden state; the rnn output reads the
     previous token's code through an identity block. Written once per ``out_dir``.
     """
-    import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     out = os.fspath(out_dir)
     if os.path.exists(os.path.join(out, "model.safetensors")):
@@ -601,16 +600,8 @@ def write_markov_variant(
         tensors["markov_head.joint_proj.bias"] = noise(3 * rank).to(dtype)
     else:
         raise ValueError(f"kind {kind!r}: expected gated or rnn")
-    staging = out + ".partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(draft_dir, staging)
     config["markov_head_type"] = kind
-    with open(os.path.join(staging, "config.json"), "w", encoding="utf-8") as handle:
-        json.dump(config, handle, indent=2)
-    save_file(tensors, os.path.join(staging, "model.safetensors"))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(staging, out)
-    return out
+    return _write_draft_copy(draft_dir, out, config, tensors)
 
 
 def write_dflash_variant(draft_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> str:
@@ -619,9 +610,8 @@ def write_dflash_variant(draft_dir: str | os.PathLike[str], out_dir: str | os.Pa
     mask token and target layers under ``dflash_config``, no Markov or confidence
     head. Its drafts are not DSpark's; it exists to run vLLM's DFlash machinery on
     the same shapes without the overlay. Written once per ``out_dir``."""
-    import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     out = os.fspath(out_dir)
     if os.path.exists(os.path.join(out, "model.safetensors")):
@@ -639,6 +629,18 @@ def write_dflash_variant(draft_dir: str | os.PathLike[str], out_dir: str | os.Pa
     for key in ("markov_rank", "markov_head_type", "enable_confidence_head"):
         config.pop(key, None)
     config.pop("confidence_head_with_markov", None)
+    return _write_draft_copy(draft_dir, out, config, tensors)
+
+
+def _write_draft_copy(
+    draft_dir: str | os.PathLike[str], out: str, config: dict, tensors: dict
+) -> str:
+    """``draft_dir`` copied to ``out`` with this config and these tensors, staged
+    beside it and renamed into place, so a half-written copy is never found."""
+    import shutil
+
+    from safetensors.torch import save_file
+
     staging = out + ".partial"
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(draft_dir, staging)

@@ -4,6 +4,7 @@ writes its result into the output it was given, whatever that output's dtype."""
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 from typing import TYPE_CHECKING, Any
 
@@ -119,10 +120,14 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
     return f"{how} {FUNCTION}"
 
 
+# read once per override: the rejection sampler calls it every speculative step
+_signature = functools.cache(inspect.signature)
+
+
 def expand_into_output(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     import torch
 
-    call = inspect.signature(wrapped).bind(*args, **kwargs).arguments
+    call = _signature(wrapped).bind(*args, **kwargs).arguments
     output, values, cu_num_tokens, replace_from, replace_to = list(call.values())[:5]
     if output.dtype == torch.int64 and values.dtype == torch.int64:
         return wrapped(*args, **kwargs)
