@@ -67,6 +67,7 @@ def generate(
     bench_batches: tuple[int, ...] = (),
     close: bool = False,
     dflash: str | None = None,
+    stagger: int = 0,
 ) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
@@ -82,10 +83,10 @@ def generate(
         speculative = {"method": "dflash", "model": dflash, "num_speculative_tokens": spec_tokens}
     if dspark:
         speculative = {"method": "dspark", "model": dspark, "num_speculative_tokens": spec_tokens}
-        # collective_rpc ships dspark_drafter_stats to the worker by value
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if draft_sample_method:
             speculative["draft_sample_method"] = draft_sample_method
+    # collective_rpc ships dspark_drafter_stats and cudagraph_facts to the worker by value
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     started = time.perf_counter()
     llm = LLM(
         model=model,
@@ -104,7 +105,10 @@ def generate(
     # are the same draws in every run
     params = [
         SamplingParams(
-            temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed + i
+            temperature=temperature,
+            max_tokens=max(1, max_tokens - i * stagger),
+            ignore_eos=True,
+            seed=seed + i,
         )
         for i in range(len(prompts))
     ]
@@ -115,6 +119,8 @@ def generate(
     done = time.perf_counter()
     engine_config = getattr(llm.llm_engine, "vllm_config", None)
     drafter = llm.collective_rpc(dspark_drafter_stats)[0] if dspark else None
+    cudagraphs = llm.collective_rpc(cudagraph_facts)[0]
+    staging = llm.collective_rpc(staging_probe_counts)[0] if speculative else None
     counters = spec_decode_counters(llm)
     if close:
         llm.llm_engine.engine_core.shutdown()
@@ -126,6 +132,8 @@ def generate(
         "generate_s": done - checked,
         "spec_decode": counters,
         "dspark_drafter": drafter,
+        "cudagraphs": cudagraphs,
+        "staging_probe": staging,
         "tokens_per_s": bench,
         "bench_ran_first": bool(bench),
     }
@@ -148,6 +156,28 @@ def dspark_drafter_stats(worker) -> dict:  # noqa: ANN001
     drafter = getattr(worker.model_runner, "drafter", None)
     names = ("verify_counts", "draft_steps", "fused_draft_steps", "graph_draft_steps")
     return {name: getattr(drafter, name, None) for name in names}
+
+
+def cudagraph_facts(worker) -> dict:  # noqa: ANN001
+    """Runs in the worker: the cudagraph mode the runner settled on and how many
+    batch shapes its dispatcher holds per runtime mode (what it captured)."""
+    runner = worker.model_runner
+    config = getattr(runner, "compilation_config", None)
+    keys = getattr(getattr(runner, "cudagraph_dispatcher", None), "cudagraph_keys", None) or {}
+    return {
+        "mode": getattr(getattr(config, "cudagraph_mode", None), "name", None),
+        "keys": {getattr(mode, "name", str(mode)): len(shapes) for mode, shapes in keys.items()},
+    }
+
+
+def staging_probe_counts(worker) -> dict | None:  # noqa: ANN001
+    """Runs in the worker: the staging probe plugin's counts on the drafter (see
+    tools/staging_probe_plugin), or None where the plugin is not loaded."""
+    try:
+        from vllm_v4_staging_probe import counts
+    except ImportError:
+        return None
+    return counts(getattr(worker.model_runner, "drafter", None))
 
 
 def tokens_per_second(llm, batch: int, max_tokens: int, rounds: int = 3) -> dict:  # noqa: ANN001
@@ -245,6 +275,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-gib", type=float, help="a fixed KV cache (GPU sharing)")
     parser.add_argument("--bench-batches", type=int, nargs="*", default=[])
+    parser.add_argument(
+        "--stagger",
+        type=int,
+        default=0,
+        help="request i asks for this many times i fewer tokens (the batch shrinks)",
+    )
     args = parser.parse_args()
     if args.plan:
         with open(args.plan) as handle:
@@ -269,6 +305,7 @@ def main() -> None:
         args.kv_cache_gib,
         tuple(args.bench_batches),
         dflash=args.dflash,
+        stagger=args.stagger,
     )
     print("RESULT " + json.dumps(result))
 

@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -35,6 +36,16 @@ REPO = Path(__file__).resolve().parent.parent.parent
 MODELS = REPO / ".cache" / "models"
 LLAMA, QWEN3, DRAFT = (MODELS / n for n in ("tiny-llama", "tiny-qwen3", "tiny-qwen3-dspark"))
 DFLASH_DRAFT = MODELS / "tiny-qwen3-dflash"  # the DSpark draft as a DFlash draft, made here
+# the tiny Llama served by an out-of-tree class with nothing compiled, made here
+PLAIN_LLAMA = MODELS / "tiny-llama-plain"
+PLAIN_PLUGIN = REPO / "tools" / "plain_model_plugin"
+STAGING_PLUGIN = REPO / "tools" / "staging_probe_plugin"
+# the GPU sleep the staging probe enqueues before each drafter copy: a target step
+# this long on the device gives the host time to run ahead on a tiny model
+PROBE_DELAY = {"STAGING_PROBE_DELAY_US": "2000"}
+HEAVY_PLUGIN = REPO / "tools" / "heavy_target_plugin"
+# device time added to every target forward: a target bound by its weights' reads
+HEAVY_TARGET = {"HEAVY_TARGET_US": "4000"}
 GENERATE = str(REPO / "tools" / "generate.py")
 INSPECT = str(REPO / "tools" / "inspect_dummy_batch.py")
 EMBEDDING = str(REPO / "tools" / "gpu" / "embedding_fault.py")
@@ -66,6 +77,7 @@ class Job:
     part: str = "core"  # "extra": run by a second call (one call is at most 10 minutes)
     timeout: float = 480
     alone: bool = False  # a timing job: runs after the others, with the GPU to itself
+    plugins: tuple[str, ...] = ()  # folders put on the job's PYTHONPATH (vLLM plugins)
 
 
 @dataclass
@@ -90,6 +102,9 @@ def jobs() -> list[Job]:
     sampled = [*compiled_qwen3, "--max-tokens", "3", "--prompts", "def main(", *KV]
     sampled += ["--repeat", str(SAMPLES), "--temperature"]
     serve = [SERVE, str(QWEN3), *KV]
+    plain = [GENERATE, str(PLAIN_LLAMA), "--no-eager", "--dtype", "bfloat16", *TOKENS, *KV]
+    # six requests of 32, 27, ... 7 tokens: the batch shrinks as they finish
+    shrinking = [*qwen3, "--repeat", "2", "--stagger", "5"]
     return [
         Job("llama-v1-stock", compiled_llama, False, V1),
         Job("llama-v1-overlay", compiled_llama, True, V1),
@@ -116,10 +131,28 @@ def jobs() -> list[Job]:
             True,
             {**V1, "VLLM_V4_DSPARK_VERIFY": "confidence"},
         ),
+        # VLLM_COMPILE with FULL_AND_PIECEWISE (the default) on a model with
+        # nothing compiled: what the runner settles on, stock and patched
+        Job("plain-llama-stock", plain, False, V1, plugins=(str(PLAIN_PLUGIN),)),
+        Job("plain-llama-overlay", plain, True, V1, plugins=(str(PLAIN_PLUGIN),)),
         Job("llama-fp32", [GENERATE, str(LLAMA), *TOKENS, *KV], False, V1),
         Job("eagle-sync-overlay", [*eagle, "--sync-scheduling"], True, V1),
         Job("eagle-async-stock", [*eagle, "--async-scheduling"], False, V1),
         Job("eagle-async-overlay", [*eagle, "--async-scheduling"], True, V1),
+        Job(
+            "eagle-async-probe-stock",
+            [*eagle, "--async-scheduling"],
+            False,
+            {**V1, **PROBE_DELAY},
+            plugins=(str(STAGING_PLUGIN),),
+        ),
+        Job(
+            "eagle-async-probe-overlay",
+            [*eagle, "--async-scheduling"],
+            True,
+            {**V1, **PROBE_DELAY},
+            plugins=(str(STAGING_PLUGIN),),
+        ),
         Job("dp-dummy-stock", inspect, False, V1),
         Job("dp-dummy-overlay", inspect, True, V1),
         Job("dp-dummy-flashinfer-stock", flashinfer, False, V1, part="extra"),
@@ -161,6 +194,31 @@ def jobs() -> list[Job]:
             V1,
             below_version="0.21",
         ),
+        # which side of the overlay the shrinking-batch fault is on: vLLM's own
+        # DFlash on the same batch, and DSpark on it outside the warm-up, with
+        # every launch synchronous so the trace names the faulting kernel
+        Job("qwen3-nospec-stagger", [*shrinking], False, V1, below_version="0.21"),
+        Job(
+            "dflash-stock-stagger",
+            [*shrinking, "--dflash", str(DFLASH_DRAFT), "--spec-tokens", "4"],
+            False,
+            V1,
+            below_version="0.21",
+        ),
+        Job(
+            "dspark-v1-stagger",
+            [*shrinking, *dspark],
+            True,
+            {**V1, "VLLM_V4_DSPARK_WARMUP": "off"},
+            below_version="0.21",
+        ),
+        Job(
+            "dspark-v1-stagger-blocking",
+            [*shrinking, *dspark],
+            True,
+            {**V1, "VLLM_V4_DSPARK_WARMUP": "off", "CUDA_LAUNCH_BLOCKING": "1"},
+            below_version="0.21",
+        ),
         Job(
             "bench-dspark-blocking",
             [*compiled_qwen3, "--max-tokens", "64", "--bench-batches", "16", *KV, *dspark],
@@ -180,6 +238,24 @@ def jobs() -> list[Job]:
             part="extra",
             alone=True,
         ),
+        Job(
+            "bench-nospec-heavy",
+            [*compiled_qwen3, *BENCH, *KV],
+            False,
+            {**V1, **HEAVY_TARGET},
+            part="perf",
+            alone=True,
+            plugins=(str(HEAVY_PLUGIN),),
+        ),
+        Job(
+            "bench-dspark-heavy",
+            [*compiled_qwen3, *BENCH, *KV, *dspark],
+            True,
+            {**V1, **HEAVY_TARGET},
+            part="perf",
+            alone=True,
+            plugins=(str(HEAVY_PLUGIN),),
+        ),
         Job("bench-nospec", [*compiled_qwen3, *BENCH, *KV], False, V1, alone=True),
         Job("bench-dspark", [*compiled_qwen3, *BENCH, *KV, *dspark], True, V1, alone=True),
     ]
@@ -191,7 +267,8 @@ def run_job(job: Job, scratch: Path, deadline: float) -> Outcome:
     env.update(job.env, VLLM_ENABLE_V1_MULTIPROCESSING="1", HF_HUB_OFFLINE="1")
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with local functions
     site = env.get("VLLM_GPU_SITE", "")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO) if job.overlay else "", site) if p)
+    paths = (str(REPO) if job.overlay else "", *job.plugins, site)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     if job.overlay:
         env["VLLM_V4_PATCHES_STATUS_DIR"] = str(status_dir)
     env["VLLM_CACHE_ROOT"] = str(scratch / "vllm-cache")  # timing jobs reuse compiled graphs
@@ -358,6 +435,40 @@ def completes(job: str) -> Check:
     return check
 
 
+def cudagraph_mode(job: str, piecewise: bool) -> Check:
+    """The cudagraph mode an engine's runner settled on, and whether its dispatcher
+    holds piecewise shapes (``piecewise``: the stock symptom expected)."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        facts = result_of(outcomes, job).get("cudagraphs") or {}
+        if not facts.get("mode"):
+            raise Missing(f"{job} saved no cudagraph mode")
+        has_piecewise = "PIECEWISE" in facts["mode"] or facts["keys"].get("PIECEWISE", 0) > 0
+        return has_piecewise == piecewise, f"mode {facts['mode']}, dispatcher keys {facts['keys']}"
+
+    return check
+
+
+def staging_tears(job: str, expect_tears: bool) -> Check:
+    """The staging probe's counts: copies whose pinned buffer the host rewrote while
+    they were pending, and steps whose delivered values differ from those written
+    (``expect_tears``: the stock race shown; otherwise none of either)."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        probe = result_of(outcomes, job).get("staging_probe")
+        if not probe or not probe["calls"]:
+            raise Missing(f"{job}: the staging probe counted no drafter copies")
+        exposed = probe["pending_at_reuse"] + probe["torn"]
+        ok = exposed > 0 if expect_tears else exposed == 0
+        figure = (
+            f"{probe['pending_at_reuse']} of {probe['calls']} copies rewritten while pending, "
+            f"{probe['torn']} torn steps (GPU sleep {probe['delay_us']:.0f} us per copy)"
+        )
+        return ok, figure
+
+    return check
+
+
 def no_jit_after_start(*jobs: str) -> Check:
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
         names: set[str] = set()
@@ -487,6 +598,27 @@ CHECKS: dict[str, Check] = {
     "async_sync: async scheduling really on": async_on("eagle-async-overlay"),
     "dp_dummy: stock dummy batch classed as prefill": dummy_batch_class("dp-dummy-stock", False),
     "dp_dummy: patched dummy batch classed as decode": dummy_batch_class("dp-dummy-overlay", True),
+    "cudagraph (stock): a piecewise mode kept with nothing compiled": cudagraph_mode(
+        "plain-llama-stock", True
+    ),
+    "cudagraph (patched): piecewise demoted with nothing compiled": cudagraph_mode(
+        "plain-llama-overlay", False
+    ),
+    "cudagraph: greedy equal to the compiled Llama, stock": same_tokens(
+        "llama-v1-stock", "plain-llama-stock"
+    ),
+    "cudagraph: greedy equal to the compiled Llama, patched": same_tokens(
+        "llama-v1-stock", "plain-llama-overlay"
+    ),
+    "async_sync (stock): drafter staging rewritten while its copy is pending": staging_tears(
+        "eagle-async-probe-stock", True
+    ),
+    "async_sync (patched): no drafter staging rewritten while pending": staging_tears(
+        "eagle-async-probe-overlay", False
+    ),
+    "async_sync: greedy with the probe equal to stock async": same_tokens(
+        "eagle-async-stock", "eagle-async-probe-overlay"
+    ),
     "dspark/v1: greedy equal to no speculation": same_tokens("qwen3-nospec", "dspark-v1"),
     "dspark/v1: acceptance, fused kernel in the drafter": dspark_accepts("dspark-v1", True),
     "dspark/v1: greedy stage replayed from CUDA graphs": stage_from_graphs("dspark-v1", True),
@@ -532,6 +664,20 @@ CHECKS: dict[str, Check] = {
         "bench-dspark-blocking"
     ),
     "dspark/v1: timing run (batch 1, 16, 64; 64 tokens) completes": completes("bench-dspark"),
+    "dspark/v1: timing run, emulated heavy target, completes": completes("bench-dspark-heavy"),
+    "dspark/v1: emulated heavy target accepts": dspark_accepts("bench-dspark-heavy", True),
+    "dspark/v1: shrinking batch, no warm-up, equals no speculation": same_tokens(
+        "qwen3-nospec-stagger", "dspark-v1-stagger"
+    ),
+    "dspark/v1: shrinking batch, synchronous launches, equals no speculation": same_tokens(
+        "qwen3-nospec-stagger", "dspark-v1-stagger-blocking"
+    ),
+    "stock dflash (no overlay): shrinking batch equals no speculation": same_tokens(
+        "qwen3-nospec-stagger", "dflash-stock-stagger"
+    ),
+    "no speculation: first request within 1.2x of the steady state (batch 1)": (
+        first_request_latency("bench-nospec")
+    ),
     "dspark/v1 (diagnostic): synchronous scheduling, greedy equal": same_tokens(
         "qwen3-nospec", "dspark-v1-sync"
     ),
@@ -599,6 +745,19 @@ def run_jobs(chosen: list[Job], at_once: int, deadline: float, scratch: Path) ->
     return outcomes
 
 
+def write_plain_variant(source: Path, out: Path) -> None:
+    """The tiny Llama's files, its config naming the plugin's uncompiled class."""
+    if (out / "config.json").exists():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and path.name != "config.json":
+            shutil.copyfile(path, out / path.name)
+    config = json.loads((source / "config.json").read_text())
+    config["architectures"] = ["PlainLlamaForCausalLM"]
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+
+
 def jobs_for(version: str) -> list[Job]:
     from packaging.version import Version
 
@@ -612,7 +771,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--jobs", type=int, default=6, help="engines at once on the GPU")
     parser.add_argument("--only", nargs="*", help="run only these jobs")
-    parser.add_argument("--part", choices=["core", "extra", "all"], default="all")
+    parser.add_argument("--part", choices=["core", "extra", "perf", "all"], default="all")
     parser.add_argument("--deadline", type=float, default=540, help="seconds for all jobs")
     args = parser.parse_args()
     facts = environment()
@@ -622,6 +781,8 @@ def main() -> None:
         for j in jobs_for(version)
         if (not args.only or j.name in args.only) and args.part in ("all", j.part)
     ]
+    if any(str(PLAIN_LLAMA) in job.args for job in chosen):
+        write_plain_variant(LLAMA, PLAIN_LLAMA)
     if any(str(DFLASH_DRAFT) in job.args for job in chosen):
         sys.path.insert(0, str(REPO / "tools"))
         from dspark_model import write_dflash_variant
@@ -655,7 +816,7 @@ def main() -> None:
     for row in rows:
         mark = {True: "PASS", False: "FAIL", None: "SKIP"}[row["passed"]]
         print(f"{mark}  {row['check']}: {row['figure'][:200]}")
-    for name in ("bench-nospec", "bench-dspark", "bench-dflash-stock"):
+    for name in (n for n in outcomes if n.startswith("bench-")):
         result = outcomes.get(name) and outcomes[name].result
         if result:
             print(
