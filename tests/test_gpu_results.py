@@ -20,6 +20,8 @@ def test_results_file_is_the_merge_of_the_kept_runs():
     merged: dict = {"versions": {}}
     for run in record.recorded_runs():
         record.merge(merged, run)
+    for entry in merged["versions"].values():
+        record.attribute_upstream(entry)
     assert merged["versions"] == compat.load_gpu_results()["versions"]
 
 
@@ -51,3 +53,29 @@ def test_the_required_releases_were_run_on_a_gpu():
     versions = compat.load_gpu_results()["versions"]
     for version in ("0.20.2", "0.24.0", "0.26.0"):
         assert json.dumps(versions[version]["checks"]), version
+
+
+def test_a_failure_stock_vllm_shows_too_is_named_upstream():
+    """Only where the reproducing check failed with the same error on that release,
+    and only checks whose figure shows that error."""
+    [(reproducer, (signature, what))] = list(suite.UPSTREAM_FAULTS.items())[:1]
+    checks = {
+        reproducer: {"passed": False, "figure": f"job exited 1: CUDA error: an {signature}"},
+        "same fault": {"passed": False, "figure": f"dspark exited 1: {signature}"},
+        "other fault": {"passed": False, "figure": "TIMEOUT after 122s"},
+        "passes": {"passed": True, "figure": "3/3 sequences equal"},
+    }
+    entry = {"gpu": "NVIDIA H200", "checks": json.loads(json.dumps(checks))}
+    for check in entry["checks"].values():
+        check["date"] = "2026-12-02"
+    record.attribute_upstream(entry)
+    named = {name for name, check in entry["checks"].items() if check.get("upstream")}
+    assert named == {reproducer, "same fault"}
+    assert entry["checks"]["same fault"]["upstream"] == what
+    assert compat.gpu_verdict("x", {"versions": {"x": entry}}) == (
+        "H200: 1/4, 2 failing in stock vLLM too (2026-12-02)"
+    )
+    # the reproducer passing on a release names nothing there
+    entry["checks"][reproducer]["passed"] = True
+    record.attribute_upstream(entry)
+    assert not any(check.get("upstream") for check in entry["checks"].values())

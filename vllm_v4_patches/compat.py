@@ -225,8 +225,10 @@ def gpu_verdict(version: str, gpu_results: dict) -> str:
         return "-"
     checks = entry["checks"].values()
     passed = sum(check["passed"] for check in checks)
+    upstream = sum(bool(check.get("upstream")) for check in checks)
     gpu = entry["gpu"].removeprefix("NVIDIA ")
-    return f"{gpu}: {passed}/{len(checks)} ({max(check['date'] for check in checks)})"
+    named = f", {upstream} failing in stock vLLM too" if upstream else ""
+    return f"{gpu}: {passed}/{len(checks)}{named} ({max(check['date'] for check in checks)})"
 
 
 def markdown_table(matrix: dict, mark: str | None = None, gpu_results: dict | None = None) -> str:

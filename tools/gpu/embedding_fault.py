@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,10 +49,17 @@ def tp1_embedding(vocab: int, hidden: int, port: int) -> Iterator[Any]:
     cleanup_dist_env_and_memory()
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def main() -> None:
     import torch
 
-    with tp1_embedding(VOCAB, HIDDEN, 29531) as layer:
+    # a port the kernel hands out: the stock and patched jobs run at the same time
+    with tp1_embedding(VOCAB, HIDDEN, free_port()) as layer:
         layer = layer.cuda()
         ids = torch.tensor([5, -1, 7, 3], device="cuda")
         result = {"completed": False}

@@ -31,7 +31,7 @@ RESULTS = REPO / "vllm_v4_patches" / "gpu_results.json"
 RUNS = REPO / "docs" / "gpu-runs"
 sys.path.insert(0, str(HERE))
 
-from suite import CHECKS, Outcome, evaluate  # noqa: E402
+from suite import CHECKS, UPSTREAM_FAULTS, Outcome, evaluate  # noqa: E402
 
 
 def outcomes_of(run: dict, logs: Path) -> dict[str, Outcome]:
@@ -132,6 +132,21 @@ def merge(results: dict, kept_run: Path) -> None:
         entry["throughput"] = {"date": run["date"], "by_batch": by_batch}
 
 
+def attribute_upstream(entry: dict) -> None:
+    """Name the stock fault behind each failed check that shows it, where the check
+    that reproduces it without the overlay failed the same way on this release."""
+    checks = entry["checks"]
+    for check in checks.values():
+        check.pop("upstream", None)
+    for reproducer, (signature, what) in UPSTREAM_FAULTS.items():
+        shown = checks.get(reproducer)
+        if not shown or shown["passed"] or signature not in shown["figure"]:
+            continue
+        for check in checks.values():
+            if not check["passed"] and signature in check["figure"]:
+                check["upstream"] = what
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="*", type=Path)
@@ -147,13 +162,16 @@ def main() -> None:
     results["generated_by"] = "python tools/gpu/record.py (do not edit by hand)"
     for run_dir in args.runs:
         record(run_dir, results)
+    for entry in results["versions"].values():
+        attribute_upstream(entry)
     RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     for version, entry in sorted(results["versions"].items()):
         checks = entry["checks"].values()
         print(f"{version}: {sum(c['passed'] for c in checks)}/{len(checks)} checks pass")
         for name, check in entry["checks"].items():
             if not check["passed"]:
-                print(f"  FAIL {name}: {check['figure'][:160]}")
+                mark = "UPSTREAM" if check.get("upstream") else "FAIL"
+                print(f"  {mark} {name}: {check['figure'][:160]}")
 
 
 if __name__ == "__main__":
