@@ -21,6 +21,7 @@ PATCH_MODULES: tuple = (
     "vllm_v4_patches.dp_dummy",
     "vllm_v4_patches.dspark",
     "vllm_v4_patches.cpu_expand",
+    "vllm_v4_patches.cpu_seed",
 )
 
 _armed = False
