@@ -231,6 +231,7 @@ def proposer_class() -> type:
                     self.num_speculative_tokens,
                     temperature,
                     fused=self.fused_markov,
+                    generators=getattr(sampling_metadata, "generators", None),
                 )
             self.last_confidence = block.confidence
             self.draft_steps += 1

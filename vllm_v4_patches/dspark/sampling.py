@@ -66,11 +66,13 @@ def draft_with_markov_head(
     num_slots: int,
     temperature: torch.Tensor | None,
     fused: bool = True,
+    generators: dict[int, Any] | None = None,
 ) -> DraftBlock:
     """Draft ``num_slots`` tokens per request from the block's hidden states.
 
     ``hidden_states`` is ``[B * N, H]``, request-major; slot 0's previous token is
-    the request's anchor, slot k's the token drafted at k - 1.
+    the request's anchor, slot k's the token drafted at k - 1. ``generators`` are
+    vLLM's seeded generators by batch row (sampling metadata).
     """
     import torch
 
@@ -91,7 +93,7 @@ def draft_with_markov_head(
         else:
             bias, state = step(embedding, slot_hidden[:, slot], state)
         corrected = base_logits[:, slot].float() + bias.float()
-        uniforms = None if temperature is None else torch.rand_like(corrected)
+        uniforms = None if temperature is None else slot_uniforms(corrected, generators)
         draft_ids, probs = sample_slot(corrected, temperature, uniforms)
         previous = _to_target_ids(model, draft_ids)
         tokens.append(previous)
@@ -103,6 +105,21 @@ def draft_with_markov_head(
         probs=None if temperature is None else torch.stack(distributions, dim=1),
         confidence=confidence,
     )
+
+
+def slot_uniforms(like: torch.Tensor, generators: dict[int, Any] | None) -> torch.Tensor:
+    """One slot's uniforms: a seeded request's row drawn from its own generator, so
+    its drafts (and so its output) repeat run to run whatever shares its batch; the
+    other rows from the global generator."""
+    import torch
+
+    uniforms = torch.rand_like(like)
+    for row, generator in (generators or {}).items():
+        if row < like.shape[0]:
+            uniforms[row] = torch.rand(
+                like.shape[1:], generator=generator, device=like.device, dtype=like.dtype
+            )
+    return uniforms
 
 
 def greedy_stage(model: Any, num_slots: int) -> Callable[[Any, Any], DraftBlock | None]:
