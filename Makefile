@@ -17,7 +17,7 @@ export VLLM_HOST_IP := 127.0.0.1
 # 18 s instead of 9 s on the 2-core machine, whose shell sets this variable).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: venv model lint test test-fast demo bench gpu-stage clean
+.PHONY: venv model lint test test-fast demo bench soak gpu-stage clean
 
 venv: $(VENV)/.ready
 
@@ -60,6 +60,13 @@ bench: venv model
 	$(PY) benchmarks/throughput.py $(MODEL)
 	$(PY) benchmarks/embedding_op.py
 	PYTHONPATH=. $(PY) benchmarks/dspark_cpu.py .cache/models/tiny-qwen3 $(DSPARK_DRAFT)
+
+# the long soak of the OpenAI server (tests/test_soak.py is its short tier in `make test`)
+SOAK_REQUESTS ?= 2000
+soak: venv model
+	$(PY) tools/soak.py .cache/models/tiny-qwen3 --draft $(DSPARK_DRAFT) \
+		--servers plain,patches,dspark,dspark-sampled --requests $(SOAK_REQUESTS) \
+		--clients 16 --kv-blocks 3 --out .cache/soak.json
 
 # wheels of one stock vLLM release for the lent H200, in carryable chunks (docs/testing.md)
 gpu-stage: venv
