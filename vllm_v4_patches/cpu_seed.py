@@ -6,8 +6,9 @@ from __future__ import annotations
 import ast
 from typing import TYPE_CHECKING, Any
 
+from vllm_v4_patches.errors import ProbeError
 from vllm_v4_patches.registry import PatchRecord, ProbeResult, Target
-from vllm_v4_patches.sources import SourceReader, dotted, read_method
+from vllm_v4_patches.sources import SourceReader, dotted, names_in, read_method
 
 if TYPE_CHECKING:
     from vllm_v4_patches.patcher import Patcher
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
 MODULE = "vllm.v1.worker.gpu_model_runner"
 RUNNER = "GPUModelRunner"
 SAMPLE, REWIND = "_sample", "_bookkeeping_sync"
+# where the runner keeps the rows a step discards: a mask (0.14+), or indices
+DISCARD_MASK, DISCARD_INDICES = "discard_request_mask", "discard_request_indices"
 
 RECORD = PatchRecord(
     id="cpu_seed",
@@ -57,6 +60,8 @@ def probe(source: SourceReader) -> ProbeResult:
         return ProbeResult("absent", f"no {RUNNER}.{REWIND} and {SAMPLE} to wrap")
     if not _rewinds_by_offset(rewind):
         return ProbeResult("not-needed", f"{REWIND} does not rewind generators by offset")
+    if not names_in(rewind) & {DISCARD_MASK, DISCARD_INDICES}:
+        raise ProbeError(f"{REWIND} rewinds rows read from neither {DISCARD_MASK} nor indices")
     return ProbeResult("needed", f"{REWIND} calls set_offset on every discarded row's generator")
 
 
@@ -82,10 +87,12 @@ def _discarded_cpu_generators(runner: Any) -> dict[int, Any]:
 
     batch = runner.input_batch
     generators = getattr(batch, "generators", None)
-    mask = getattr(runner, "discard_request_mask", None)
-    if not generators or mask is None:
+    if not generators:
         return {}
-    rows = np.nonzero(mask.np[: batch.num_reqs])[0]
+    if hasattr(runner, DISCARD_MASK):
+        rows = np.nonzero(getattr(runner, DISCARD_MASK).np[: batch.num_reqs])[0]
+    else:
+        rows = getattr(runner, DISCARD_INDICES).np[: runner.num_discarded_requests]
     found = {int(i): generators.get(int(i)) for i in rows}
     return {i: g for i, g in found.items() if g is not None and g.device.type == "cpu"}
 
