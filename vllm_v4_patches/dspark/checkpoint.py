@@ -308,13 +308,27 @@ def parse_draft_config(
             target_layers = _ConfigReader(target_config, f"{_CONFIG_ERROR} (target)").integer(
                 "num_hidden_layers", minimum=1
             )
-        return parse_deepspec_qwen3_config(config, target_num_layers=target_layers)
+        spec = parse_deepspec_qwen3_config(config, target_num_layers=target_layers)
+        if target_config is not None:
+            _shares_target_widths(reader, config, target_config)
+        return spec
     if any(str(key).startswith("dspark_") for key in config):
         return parse_deepseek_v4_config(config, inference_config=inference_config)
     raise reader.fail(
         f"architectures={_short(architectures)} is not {DEEPSPEC_QWEN3_ARCHITECTURE} and no "
         "dspark_block_size key (DeepSeek-V4 format) is present"
     )
+
+
+def _shares_target_widths(
+    reader: _ConfigReader, config: Mapping[str, Any], target_config: Mapping[str, Any]
+) -> None:
+    """A DeepSpec draft reads the target's hidden states and shares its embedding and
+    LM head, so its vocabulary and hidden size are the target's."""
+    for key in ("vocab_size", "hidden_size"):
+        mine, theirs = config.get(key), target_config.get(key)
+        if theirs is not None and mine != theirs:
+            raise reader.fail(f"{key}={mine} does not match the target's {key}={theirs}")
 
 
 def load_draft_spec(
@@ -392,6 +406,64 @@ def deepspec_qwen3_weight_shapes(config: Mapping[str, Any]) -> dict[str, tuple[i
         shapes["confidence_head.proj.weight"] = (1, width)
         shapes["confidence_head.proj.bias"] = (1,)
     return shapes
+
+
+_WEIGHTS_ERROR = "dspark draft weights"
+_SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+
+
+def check_deepspec_weights(path: str | os.PathLike[str]) -> None:
+    """The draft's safetensors files hold every tensor its ``config.json`` asks for,
+    at its shape, and are whole: read from the files' headers, nothing is loaded.
+    One line naming the file or the tensor otherwise. ``embed_tokens`` and
+    ``lm_head`` may be absent (vLLM shares the target's)."""
+    import glob
+
+    folder = os.fspath(path)
+    config = _read_json(os.path.join(folder, "config.json"))
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{_WEIGHTS_ERROR}: no *.safetensors file in {folder}")
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in files:
+        for name, shape in _safetensors_shapes(file).items():
+            found[name.removeprefix("model.")] = (shape, file)
+    for name, shape in deepspec_qwen3_weight_shapes(config).items():
+        if name not in found:
+            if name in _SHARED_WITH_TARGET:
+                continue
+            raise ValueError(
+                f"{_WEIGHTS_ERROR}: {folder} has no tensor {name}, which its config.json "
+                "asks for"
+            )
+        stored, file = found[name]
+        if stored != shape:
+            raise ValueError(
+                f"{_WEIGHTS_ERROR}: {name} in {file} has shape {stored}; its config.json "
+                f"implies {shape}"
+            )
+
+
+def _safetensors_shapes(file: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors header, after checking that the file
+    holds every byte the header points at."""
+    import struct
+
+    size = os.path.getsize(file)
+    try:
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > size - 8:
+                raise ValueError("the header runs past the end of the file")
+            header = json.loads(handle.read(length))
+        ends = [entry["data_offsets"][1] for k, entry in header.items() if k != "__metadata__"]
+        if 8 + length + max(ends, default=0) > size:
+            raise ValueError("the file is shorter than its tensors (truncated?)")
+        return {k: tuple(e["shape"]) for k, e in header.items() if k != "__metadata__"}
+    except (ValueError, KeyError, TypeError, struct.error) as error:
+        raise ValueError(
+            f"{_WEIGHTS_ERROR}: {file} is not a readable safetensors file ({error})"
+        ) from None
 
 
 # --- DeepSeek-V4 ``mtp.{stage}.*`` weight names -------------------------------------

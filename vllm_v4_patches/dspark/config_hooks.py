@@ -191,12 +191,15 @@ def validate_draft_paths(draft: str | None, target: str | None) -> Any:
     ``DSparkDraftSpec`` (None for a draft that is not a local folder)."""
     import os
 
-    from vllm_v4_patches.dspark.checkpoint import load_draft_spec
+    from vllm_v4_patches.dspark import checkpoint
 
     if not (draft and os.path.isfile(os.path.join(draft, "config.json"))):
         return None
     has_target = target and os.path.isfile(os.path.join(target, "config.json"))
-    return load_draft_spec(draft, target_path=target if has_target else None)
+    spec = checkpoint.load_draft_spec(draft, target_path=target if has_target else None)
+    if spec.format == checkpoint.FORMAT_DEEPSPEC_QWEN3:
+        checkpoint.check_deepspec_weights(draft)
+    return spec
 
 
 V2_ACTIVE = (
