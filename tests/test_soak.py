@@ -2,8 +2,9 @@
 
 ``tools/soak.py`` starts the plain server, the overlay's with greedy DSpark drafts
 and the overlay's with probabilistic drafts, and sends each the same 40 mixed
-requests from 8 client threads with the official ``openai`` client (see its docstring for the mix and the invariants). ``make soak``
-runs the long one, with the confidence-scheduled server as well.
+requests from 8 client threads with the official ``openai`` client (see its
+docstring for the mix and the invariants). ``make soak`` runs the long one, with
+the confidence-scheduled server as well.
 """
 
 from __future__ import annotations
