@@ -105,15 +105,26 @@ def exercise(client, max_tokens: int) -> dict:  # noqa: ANN001
     }
 
 
-def spec_counters(base: str) -> dict:
+def server_metrics(base: str) -> dict[str, float]:
+    """Every ``vllm:`` sample of the server's ``/metrics``, summed over labels, by name
+    (``_total`` dropped)."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    counters: dict[str, float] = {}
+    values: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("vllm:spec_decode_num_") and "_created" not in line:
-            name = line.split("{")[0].removeprefix("vllm:spec_decode_").removesuffix("_total")
-            counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counters
+        if line.startswith("vllm:") and "_created" not in line and " " in line:
+            name = line.split("{")[0].split(" ")[0].removesuffix("_total")
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def spec_counters(base: str) -> dict:
+    prefix = "vllm:spec_decode_"
+    return {
+        name.removeprefix(prefix): value
+        for name, value in server_metrics(base).items()
+        if name.startswith(prefix + "num_")
+    }
 
 
 def main() -> None:

@@ -56,7 +56,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
-from serve_check import free_port, wait_healthy  # noqa: E402
+from serve_check import free_port, server_metrics, wait_healthy  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 256
@@ -196,16 +196,6 @@ class Server:
                 return reply.status == 200
         except OSError:
             return False
-
-    def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"{self.base}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-        values: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("vllm:") and "_created" not in line and " " in line:
-                name = line.split("{")[0].split(" ")[0].removesuffix("_total")
-                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        return values
 
     def stop(self) -> str:
         import signal
@@ -430,7 +420,7 @@ def main() -> None:
                 "outcomes": outcomes,
                 "alone": [[passed.get(r.index) for r in requests] for passed in alone],
                 "healthy_after": server.healthy(),
-                "summary": summarize(outcomes, timing, server.metrics()),
+                "summary": summarize(outcomes, timing, server_metrics(server.base)),
             }
     except Exception:
         for server in servers:

@@ -87,14 +87,15 @@ def _discarded_cpu_generators(runner: Any) -> dict[int, Any]:
 
     batch = runner.input_batch
     generators = getattr(batch, "generators", None)
-    if not generators:
+    # a CPU runner's generators are CPU ones; any other runner's rewind works
+    if not generators or runner.device.type != "cpu":
         return {}
     if hasattr(runner, DISCARD_MASK):
         rows = np.nonzero(getattr(runner, DISCARD_MASK).np[: batch.num_reqs])[0]
     else:
         rows = getattr(runner, DISCARD_INDICES).np[: runner.num_discarded_requests]
     found = {int(i): generators.get(int(i)) for i in rows}
-    return {i: g for i, g in found.items() if g is not None and g.device.type == "cpu"}
+    return {i: g for i, g in found.items() if g is not None}
 
 
 def sample_then_restore(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

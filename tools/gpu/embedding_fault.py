@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from serve_check import free_port  # noqa: E402
 
 VOCAB, HIDDEN = 128, 64
 
@@ -47,12 +52,6 @@ def tp1_embedding(vocab: int, hidden: int, port: int) -> Iterator[Any]:
         layer.weight.data.normal_()
         yield layer
     cleanup_dist_env_and_memory()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def main() -> None:
