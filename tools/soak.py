@@ -63,9 +63,13 @@ MAX_MODEL_LEN = 256
 DEADLINE_S = 120  # per request: a request without an answer by then is lost
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 SHORT = ["def main(", "import os\nimport", "class Parser:", "for i in range(", "return self."]
+# longer than one KV block (128 tokens on the CPU backend): only full blocks are cached
 SHARED = (
     '"""Utilities for reading configuration files.\n\nEach loader returns a dict and '
-    'raises ValueError on malformed input.\n"""\n\nimport json\nimport os\n\n\ndef load_'
+    "raises ValueError on malformed input. Paths are resolved against the current "
+    "directory, environment variables are expanded, and a missing file gives an empty "
+    'dict.\n"""\n\nimport json\nimport os\nimport sys\nfrom pathlib import Path\n\n'
+    "DEFAULTS = {'encoding': 'utf-8', 'strict': True}\n\n\ndef load_"
 )
 LONG = "\n".join(
     f"def handler_{i}(request, context):\n    return request.get({i})" for i in range(9)
