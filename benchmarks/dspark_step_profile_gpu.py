@@ -13,6 +13,10 @@ for DSpark. Per batch size, after one untimed round:
 * one round under ``torch.profiler``: the operators and kernels with the most device
   time, and the device's busy time against the round's wall time.
 
+With ``--profile-first`` the engine's first round (the first batch size's) runs under
+``cProfile`` instead of untimed, to show what a first request pays that later ones
+do not.
+
 Writes a text report to ``$OUT/profile-<mode>.txt`` (or the working directory) and
 prints its summary. The report is a diagnosis aid, not a benchmark figure.
 """
@@ -63,15 +67,20 @@ def one_round(llm: object, batch: int, max_tokens: int) -> float:
 
 
 def python_profile(llm: object, batch: int, max_tokens: int, top: int) -> str:
+    return profiled_round(llm, batch, max_tokens, top)[1]
+
+
+def profiled_round(llm: object, batch: int, max_tokens: int, top: int) -> tuple[float, str]:
+    """One round under cProfile: its wall time and the report."""
     profiler = cProfile.Profile()
     profiler.enable()
-    one_round(llm, batch, max_tokens)
+    wall = one_round(llm, batch, max_tokens)
     profiler.disable()
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(top)
     stats.sort_stats("cumulative").print_stats(top)
-    return text.getvalue()
+    return wall, text.getvalue()
 
 
 def device_profile(llm: object, batch: int, max_tokens: int, top: int) -> str:
@@ -100,6 +109,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--profile-first", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -107,8 +117,12 @@ def main() -> None:
     started = time.perf_counter()
     llm = build_engine(args.target, args.dspark, args.spec_tokens)
     report = [f"{mode}: engine ready in {time.perf_counter() - started:.1f} s"]
-    for batch in args.batches:
-        first = one_round(llm, batch, args.max_tokens)
+    for index, batch in enumerate(args.batches):
+        if args.profile_first and index == 0:
+            first, first_report = profiled_round(llm, batch, args.max_tokens, args.top + 20)
+            report += [f"\n===== first round, batch {batch}, under cProfile", first_report]
+        else:
+            first = one_round(llm, batch, args.max_tokens)
         steady = statistics.median(one_round(llm, batch, args.max_tokens) for _ in range(3))
         tok_s = batch * args.max_tokens / steady
         summary = f"batch {batch}: first {first:.3f} s, steady {steady:.3f} s, {tok_s:.0f} tok/s"

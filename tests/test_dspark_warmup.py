@@ -75,3 +75,69 @@ def test_jit_monitor_waits_for_the_first_step_without_warmup_requests():
     its counter reset is observed, and no engine runs."""
     result = run_python(["-c", HOLD_SCRIPT], pythonpath=[REPO])
     assert result.stdout.split()[-5:] == ["True", "False", "False", "True", "1"], result.stderr
+
+
+CLOSE_SCRIPT = """
+import types
+import vllm.utils.jit_monitor as monitor
+import vllm_v4_patches
+from vllm_v4_patches.dspark import warmup
+
+warmup.runner_built()
+monitor.activate()
+held = not monitor.is_active()
+drafter = types.SimpleNamespace(warming_up=True, resets=0)
+drafter.reset_counters = lambda: setattr(drafter, "resets", drafter.resets + 1)
+worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(drafter=drafter))
+warmup.close_worker_warmup(worker)
+closed = monitor.is_active()
+warmup.end_of_warmup(drafter, types.SimpleNamespace(num_scheduled_tokens={"user": 1}))
+print(held, closed, drafter.resets)
+"""
+
+
+def test_the_engine_core_closes_the_warmup_before_the_first_user_step():
+    """What the engine core's rpc runs in a worker once the warm-up is served: the
+    real JIT monitor is active and the counters cleared before any user step, and
+    the first user step then does neither again (one reset). Stand-ins: the worker
+    and drafter objects; no engine runs."""
+    result = run_python(["-c", CLOSE_SCRIPT], pythonpath=[REPO])
+    assert result.stdout.split()[-3:] == ["True", "True", "1"], result.stderr
+
+
+FAULT_SCRIPT = """
+import types
+import vllm_v4_patches
+from vllm_v4_patches.dspark import warmup
+
+class AcceleratorError(RuntimeError):
+    pass
+
+def core_failing_with(exc):
+    scheduler = types.SimpleNamespace(has_requests=lambda: True, requests={})
+    def step_fn():
+        raise exc
+    return types.SimpleNamespace(
+        scheduler=scheduler, step_fn=step_fn, add_request=lambda *a: None,
+        preprocess_add_request=lambda r: (r, 0), abort_requests=lambda ids: None,
+    )
+
+warmup.rounds = lambda config: iter([[object()]])
+warmup.skip_reason = lambda config: None
+warmup.warm_engine_core(core_failing_with(ValueError("a shape the warm-up got wrong")), None)
+print("survived")
+try:
+    warmup.warm_engine_core(core_failing_with(AcceleratorError("CUDA error: an illegal memory access")), None)
+except AcceleratorError:
+    print("raised")
+"""
+
+
+def test_a_cuda_error_in_the_warmup_stops_the_engine_and_another_error_does_not():
+    """A warm-up that fails in Python leaves the engine serving (one warning); one
+    that meets a CUDA error (sticky: the context is lost) raises, so the engine
+    dies at start naming it instead of hanging at the first request. Stand-ins: the
+    engine core and its step (no CUDA here); the plan of rounds is replaced."""
+    result = run_python(["-c", FAULT_SCRIPT], pythonpath=[REPO])
+    assert result.stdout.split()[-2:] == ["survived", "raised"], result.stdout + result.stderr
+    assert "DSpark warm-up stopped (ValueError" in result.stderr

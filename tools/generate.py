@@ -68,6 +68,7 @@ def generate(
     close: bool = False,
     dflash: str | None = None,
     stagger: int = 0,
+    cudagraph_mode: str | None = None,
 ) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
@@ -98,6 +99,7 @@ def generate(
         load_format="auto",
         speculative_config=speculative,
         async_scheduling=async_scheduling,
+        **({"compilation_config": {"cudagraph_mode": cudagraph_mode}} if cudagraph_mode else {}),
         disable_log_stats=False,
     )
     ready = time.perf_counter()
@@ -182,20 +184,37 @@ def staging_probe_counts(worker) -> dict | None:  # noqa: ANN001
 
 def tokens_per_second(llm, batch: int, max_tokens: int, rounds: int = 3) -> dict:  # noqa: ANN001
     """Greedy decode throughput at ``batch`` requests: the first round (warm-up,
-    compilation included) and the median of the later ones."""
+    compilation included) and the median of the later ones, each end to end and
+    inside the engine core (see ``engine_window``)."""
     import statistics
 
     from vllm import SamplingParams
 
     prompts = [f"def f{i}(" for i in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    seconds = []
+    seconds, engine_seconds = [], []
     for _ in range(rounds):
         started = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds.append(time.perf_counter() - started)
+        engine_seconds.append(engine_window(outputs))
     steady = statistics.median(seconds[1:])
-    return {"first_s": seconds[0], "steady_s": steady, "tok_s": batch * max_tokens / steady}
+    timing = {"first_s": seconds[0], "steady_s": steady, "tok_s": batch * max_tokens / steady}
+    if None not in engine_seconds:
+        timing["first_engine_s"] = engine_seconds[0]
+        timing["steady_engine_s"] = statistics.median(engine_seconds[1:])
+    return timing
+
+
+def engine_window(outputs: list) -> float | None:
+    """Seconds from the first request's arrival in the engine core's queue to the
+    last token it produced in the round (the engine core's own timestamps), or None
+    where the outputs carry no request stats. The front end's work before a request
+    reaches the engine (tokenising, validating its parameters) is outside it."""
+    stats = [getattr(out, "metrics", None) for out in outputs]
+    if not stats or any(not getattr(s, "last_token_ts", 0.0) for s in stats):
+        return None
+    return max(s.last_token_ts for s in stats) - min(s.queued_ts for s in stats)
 
 
 def spec_decode_counters(llm) -> dict:  # noqa: ANN001
@@ -281,6 +300,7 @@ def main() -> None:
         default=0,
         help="request i asks for this many times i fewer tokens (the batch shrinks)",
     )
+    parser.add_argument("--cudagraph-mode", help="vLLM's cudagraph_mode, e.g. PIECEWISE")
     args = parser.parse_args()
     if args.plan:
         with open(args.plan) as handle:
@@ -306,6 +326,7 @@ def main() -> None:
         tuple(args.bench_batches),
         dflash=args.dflash,
         stagger=args.stagger,
+        cudagraph_mode=args.cudagraph_mode,
     )
     print("RESULT " + json.dumps(result))
 

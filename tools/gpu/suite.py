@@ -53,6 +53,7 @@ SERVE = str(REPO / "tools" / "serve_check.py")
 KV = ["--kv-cache-gib", "2"]
 TOKENS = ["--max-tokens", "32"]
 BENCH = ["--max-tokens", "64", "--bench-batches", "1", "16", "64"]
+PIECEWISE = ["--cudagraph-mode", "PIECEWISE"]
 V1, V2 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 # with one GPU vLLM runs the worker inside the EngineCore process (no worker process)
 ROLES = {"front-end", "engine-core"}
@@ -213,6 +214,21 @@ def jobs() -> list[Job]:
             {**V1, "VLLM_V4_DSPARK_WARMUP": "off"},
             below_version="0.21",
         ),
+        # whether the fault needs the target's full CUDA graphs: piecewise ones only
+        Job(
+            "dflash-stock-stagger-piecewise",
+            [*shrinking, *PIECEWISE, "--dflash", str(DFLASH_DRAFT), "--spec-tokens", "4"],
+            False,
+            V1,
+            below_version="0.21",
+        ),
+        Job(
+            "dspark-v1-stagger-piecewise",
+            [*shrinking, *PIECEWISE, *dspark],
+            True,
+            V1,
+            below_version="0.21",
+        ),
         Job(
             "dspark-v1-stagger-blocking",
             [*shrinking, *dspark],
@@ -262,9 +278,19 @@ def jobs() -> list[Job]:
     ]
 
 
+STOCK_FIGURE = "stock vLLM, no overlay: "  # opens the figures of checks of stock alone
+FIRST_REQUEST_STOCK = (
+    "no speculation (stock vLLM, no overlay): first request within 1.2x of the steady state"
+    " (batch 1)"
+)
+
 # failures of stock vLLM: the check that shows one without the overlay, the text
 # its failing checks' figures share, and what it is; record.py marks those checks
 UPSTREAM_FAULTS = {
+    FIRST_REQUEST_STOCK: (
+        STOCK_FIGURE,
+        "vLLM alone, without speculation: its own first request is slower than its " "steady state",
+    ),
     "stock dflash (no overlay): shrinking batch equals no speculation": (
         "illegal memory access",
         "vLLM's own DFlash dies the same way without the overlay: an illegal memory "
@@ -505,15 +531,30 @@ def no_jit_after_start(*jobs: str) -> Check:
     return check
 
 
-def first_request_latency(job: str, batch: str = "1", limit: float = 1.2) -> Check:
+def first_request_latency(
+    job: str, stock: bool = False, batch: str = "1", limit: float = 1.2
+) -> Check:
+    """The engine's first request against its steady state, timed inside the engine
+    core (``generate.engine_window``): the front end's one-time work on a first
+    request (stock vLLM scans every installed distribution's entry points for
+    logits-processor plugins then) is the same with or without a drafter, so the
+    end-to-end figure is reported beside it, not judged."""
+
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
         result = result_of(outcomes, job)
         if not result.get("bench_ran_first"):
             raise NotSaved(job)  # timed after the checked run: not the first request
         timing = result["tokens_per_s"][batch]
-        ratio = timing["first_s"] / timing["steady_s"]
-        figure = f"first {timing['first_s']:.3f} s, steady {timing['steady_s']:.3f} s"
-        return ratio <= limit, f"{figure} ({ratio:.2f}x) at batch {batch}"
+        if "first_engine_s" not in timing:
+            raise NotSaved(job)  # a run from before the engine's own timestamps were kept
+        ratio = timing["first_engine_s"] / timing["steady_engine_s"]
+        figure = (
+            f"{STOCK_FIGURE if stock else ''}engine core: first "
+            f"{timing['first_engine_s']:.3f} s, steady {timing['steady_engine_s']:.3f} s "
+            f"({ratio:.2f}x) at batch {batch}; end to end: first {timing['first_s']:.3f} s, "
+            f"steady {timing['steady_s']:.3f} s ({timing['first_s'] / timing['steady_s']:.2f}x)"
+        )
+        return ratio <= limit, figure
 
     return check
 
@@ -695,9 +736,13 @@ CHECKS: dict[str, Check] = {
     "stock dflash (no overlay): shrinking batch equals no speculation": same_tokens(
         "qwen3-nospec-stagger", "dflash-stock-stagger"
     ),
-    "no speculation: first request within 1.2x of the steady state (batch 1)": (
-        first_request_latency("bench-nospec")
+    "stock dflash (diagnostic, no overlay): shrinking batch, piecewise CUDA graphs only": (
+        same_tokens("qwen3-nospec-stagger", "dflash-stock-stagger-piecewise")
     ),
+    "dspark/v1 (diagnostic): shrinking batch, piecewise CUDA graphs only": same_tokens(
+        "qwen3-nospec-stagger", "dspark-v1-stagger-piecewise"
+    ),
+    FIRST_REQUEST_STOCK: first_request_latency("bench-nospec", stock=True),
     "dspark/v1 (diagnostic): synchronous scheduling, greedy equal": same_tokens(
         "qwen3-nospec", "dspark-v1-sync"
     ),

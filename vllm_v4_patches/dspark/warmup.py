@@ -11,8 +11,10 @@ So an engine core whose V1 runner drafts with the overlay's DSpark drafter serve
 internal requests once its own start-up is done, through its own scheduler and step
 function (``rounds`` says which shapes and why). Their outputs never leave the
 engine core, the prefix cache is reset after them, and the worker holds vLLM's JIT
-monitor back until the first step that carries no warm-up request, where it also
-clears the drafter's counters.
+monitor back until the engine core tells it the warm-up is over (or, failing that,
+until the first step that carries no warm-up request); then it also clears the
+drafter's counters. A CUDA error during the warm-up stops the engine: the context
+is lost, and serving on would fail or hang at the first request.
 
 ``VLLM_V4_DSPARK_WARMUP``: ``auto`` (on CUDA-like platforms, where kernels are
 JIT-compiled), ``on`` or ``off``.
@@ -89,7 +91,12 @@ def warm_engine_core(core: Any, vllm_config: Any) -> None:
             steps += _drain(core)
         if vllm_config.cache_config.enable_prefix_caching:
             core.reset_prefix_cache()
+        core.model_executor.collective_rpc(close_worker_warmup)
     except Exception as exc:  # a warm-up must never stop the engine from serving
+        if _device_fault(exc):
+            # a CUDA error is sticky: the context is lost and every later step would
+            # fail or hang, so the engine dies here, naming the fault
+            raise
         _abandon(core)
         logger.warning(
             "vllm_v4_patches: DSpark warm-up stopped (%s: %s); kernels it did not reach "
@@ -207,6 +214,11 @@ def _drain(core: Any) -> int:
     return steps
 
 
+def _device_fault(exc: BaseException) -> bool:
+    name = type(exc).__name__
+    return name == "AcceleratorError" or "CUDA error" in str(exc)
+
+
 def _abandon(core: Any) -> None:
     try:
         requests = getattr(core.scheduler, "requests", {})
@@ -226,7 +238,7 @@ def runner_built() -> None:
 def hold_jit_monitor(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """vLLM activates its JIT monitor at the end of the worker's warm-up; a DSpark
     runner's warm-up goes on through the engine core's internal requests, so the
-    activation waits for the first step that carries none."""
+    activation waits for their end."""
     if not _runner_warms[0]:
         return wrapped(*args, **kwargs)
     _held_activation[:] = [lambda: wrapped(*args, **kwargs)]
@@ -246,6 +258,17 @@ def end_of_warmup(drafter: Any, scheduler_output: Any) -> None:
     if is_warmup_step(scheduler_output):
         drafter.warming_up = True
         return
+    _close(drafter)
+
+
+def close_worker_warmup(worker: Any) -> None:
+    """Runs in each worker once the engine core has served the warm-up: the same
+    as ``end_of_warmup`` at a first user step, done before that step, whose
+    latency is what the warm-up is for."""
+    _close(getattr(getattr(worker, "model_runner", None), "drafter", None))
+
+
+def _close(drafter: Any) -> None:
     if _held_activation:
         _held_activation.pop()()
     if getattr(drafter, "warming_up", False):
