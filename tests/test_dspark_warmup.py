@@ -127,7 +127,8 @@ warmup.skip_reason = lambda config: None
 warmup.warm_engine_core(core_failing_with(ValueError("a shape the warm-up got wrong")), None)
 print("survived")
 try:
-    warmup.warm_engine_core(core_failing_with(AcceleratorError("CUDA error: an illegal memory access")), None)
+    fault = AcceleratorError("CUDA error: an illegal memory access")
+    warmup.warm_engine_core(core_failing_with(fault), None)
 except AcceleratorError:
     print("raised")
 """

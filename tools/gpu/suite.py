@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -315,29 +316,28 @@ def run_job(job: Job, scratch: Path, deadline: float) -> Outcome:
     budget = min(job.timeout, deadline - started)
     if budget < 30:
         return Outcome(None, [], "TIMEOUT: the suite's deadline came first", 0.0, -9)
+    # its own session, so a timeout kills the engine processes it started too: an
+    # orphaned engine core keeps its GPU context and competes with the jobs after it
+    process = subprocess.Popen(
+        [sys.executable, *job.args],
+        env=env,
+        cwd=scratch,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        done = subprocess.run(
-            [sys.executable, *job.args],
-            env=env,
-            cwd=scratch,
-            capture_output=True,
-            text=True,
-            timeout=budget,
-        )
-        log, code = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as exc:
-        partial = [_text(exc.stdout), _text(exc.stderr), f"TIMEOUT after {budget:.0f}s"]
-        log, code = "\n".join(partial), -9
+        stdout, stderr = process.communicate(timeout=budget)
+        log, code = stdout + stderr, process.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        log, code = "\n".join([stdout, stderr, f"TIMEOUT after {budget:.0f}s"]), -9
     found = [line for line in log.splitlines() if line.startswith("RESULT ")]
     result = json.loads(found[-1].removeprefix("RESULT ")) if found else None
     statuses = [json.loads(p.read_text()) for p in sorted(status_dir.glob("*.json"))]
     return Outcome(result, statuses, log, time.perf_counter() - started, code)
-
-
-def _text(output: str | bytes | None) -> str:
-    if isinstance(output, bytes):
-        return output.decode(errors="replace")
-    return output or ""
 
 
 # -- checks -------------------------------------------------------------------
