@@ -545,3 +545,24 @@ def test_drafting_past_the_block_gets_one_line_naming_both_settings(dspark_pair,
     line = record.getMessage()
     assert "\n" not in line and f"num_speculative_tokens={spec.block_size + 2}" in line
     assert f"block_size={spec.block_size}" in line and f"{draft}/config.json" in line
+
+
+def test_serving_reads_each_format_s_name_for_the_mask_token_and_taps() -> None:
+    """The keys serving reads from a loaded draft config resolve under both formats'
+    names through one table, and the DFlash exposure takes a DeepSeek-V4 config's
+    noise token as the mask token (its name there is ``dspark_noise_token_id``, not
+    ``dspark_mask_token_id``). The configs are plain namespaces standing in for
+    vLLM's ``hf_config`` objects, which carry a config's keys as attributes."""
+    import types
+
+    from vllm_v4_patches.dspark.checkpoint import draft_key
+    from vllm_v4_patches.dspark.config_hooks import expose_keys_to_dflash
+
+    deepspec = types.SimpleNamespace(mask_token_id=5, target_layer_ids=[0, 2])
+    v4 = types.SimpleNamespace(dspark_noise_token_id=7, dspark_target_layer_ids=[1, 3])
+    assert (draft_key(deepspec, "mask_token_id"), draft_key(v4, "mask_token_id")) == (5, 7)
+    assert draft_key(v4, "target_layer_ids") == [1, 3]
+    assert draft_key(types.SimpleNamespace(), "target_layer_ids") is None
+
+    assert expose_keys_to_dflash(v4) == ("target_layer_ids", "mask_token_id")
+    assert v4.dflash_config == {"target_layer_ids": [1, 3], "mask_token_id": 7}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# the overlay package from this checkout: the drafting walk is the one serving uses
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from vllm_v4_patches.dspark.markov_chain import walk_slots  # noqa: E402
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -474,20 +479,20 @@ class DSparkDraft(nn.Module):
         """Greedy chain: slot ``k`` uses ``prev`` = anchor, then the previous draft."""
         hidden = self.draft_hidden(target_hidden_states_for_context, anchor_position, anchor_token)
         base_logits = self.lm_head(hidden)
-        prev, state = torch.tensor(anchor_token), None
-        tokens, logits, confidence = [], [], []
-        for slot in range(self.block_size):
-            bias, state = self.markov_head.step(prev, hidden[slot], state)
-            corrected = base_logits[slot] + bias.to(base_logits.dtype)
-            confidence.append(torch.sigmoid(self.confidence_logits(hidden[slot], prev)))
-            prev = corrected.argmax()
-            tokens.append(prev)
-            logits.append(corrected)
-        return DraftProposal(
-            tokens=torch.stack(tokens),
-            logits=torch.stack(logits),
-            confidence=torch.stack(confidence),
-        )
+
+        def bias_step(previous: torch.Tensor, slot: int, state: Any) -> tuple[Any, Any, Any]:
+            bias, state = self.markov_head.step(previous[0], hidden[slot], state)
+            return bias[None], state, None
+
+        def pick(corrected: torch.Tensor, slot: int) -> tuple[torch.Tensor, None]:
+            return corrected.argmax(dim=-1), None
+
+        anchor = torch.tensor([anchor_token])
+        walked = walk_slots(base_logits[None], anchor, bias_step, pick, keep_corrected=True)
+        tokens = walked.tokens[0]
+        previous = torch.cat([anchor, tokens[:-1]])
+        confidence = torch.sigmoid(self.confidence_logits(hidden, previous))
+        return DraftProposal(tokens=tokens, logits=walked.corrected[0], confidence=confidence)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike[str]) -> DSparkDraft:

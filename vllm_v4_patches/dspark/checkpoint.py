@@ -43,6 +43,13 @@ FORMAT_DEEPSEEK_V41 = "deepseek-v4.1"
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 V4_WEIGHT_PREFIX = "mtp."
 
+# The keys serving reads from a loaded draft config, by their DeepSpec (top-level)
+# name, with the name a DeepSeek-V4 config gives each
+V4_KEY_NAMES = {
+    "target_layer_ids": "dspark_target_layer_ids",
+    "mask_token_id": "dspark_noise_token_id",
+}
+
 _CONFIG_ERROR = "dspark draft config"
 _WEIGHTS_ERROR = "dspark draft weights"
 _REPR_LIMIT = 60  # keeps a huge or odd value from turning the message into a dump
@@ -260,11 +267,13 @@ def parse_deepseek_v4_config(
     num_target_layers = reader.integer("num_hidden_layers", minimum=1)
     block_size = reader.integer("dspark_block_size", minimum=1)
     markov_rank = reader.integer("dspark_markov_rank", minimum=1)
-    noise_token_id = reader.integer("dspark_noise_token_id", minimum=0, maximum=vocab_size - 1)
+    noise_token_id = reader.integer(
+        V4_KEY_NAMES["mask_token_id"], minimum=0, maximum=vocab_size - 1
+    )
     # DSV4 taps are capture-after (V4) or attention-input (V4.1) indices of real
     # layers; there is no embedding-output tap in this format.
     target_layer_ids = reader.layer_ids(
-        "dspark_target_layer_ids", lowest=0, num_target_layers=num_target_layers
+        V4_KEY_NAMES["target_layer_ids"], lowest=0, num_target_layers=num_target_layers
     )
     enable_confidence_head = reader.boolean("enable_confidence_head", default=True)
     num_stages = reader.integer("n_mtp_layers", minimum=1) if reader.has("n_mtp_layers") else None
@@ -291,6 +300,13 @@ def parse_deepseek_v4_config(
         weight_prefix=V4_WEIGHT_PREFIX,
         num_target_layers=num_target_layers,
     )
+
+
+def draft_key(hf_config: Any, key: str) -> Any:
+    """A key of ``V4_KEY_NAMES`` from a loaded draft config (vLLM's ``hf_config``)
+    under whichever format's name it carries, or None."""
+    value = getattr(hf_config, key, None)
+    return getattr(hf_config, V4_KEY_NAMES[key], None) if value is None else value
 
 
 def parse_draft_config(

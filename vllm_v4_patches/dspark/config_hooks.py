@@ -98,10 +98,10 @@ def expose_keys_to_dflash(hf_config: Any) -> tuple[str, ...]:
         return added
     dflash_config = dict(getattr(hf_config, "dflash_config", None) or {})
     added = []
-    for key in ("target_layer_ids", "mask_token_id"):
-        value = getattr(hf_config, key, None)
-        if value is None:
-            value = getattr(hf_config, f"dspark_{key}", None)
+    from vllm_v4_patches.dspark.checkpoint import V4_KEY_NAMES, draft_key
+
+    for key in V4_KEY_NAMES:
+        value = draft_key(hf_config, key)
         if value is not None and key not in dflash_config:
             dflash_config[key] = value
             added.append(key)

@@ -302,31 +302,30 @@ def draft_block(
     """
     import torch
 
+    from vllm_v4_patches.dspark.markov_chain import walk_slots
+
     batch, num_slots, vocab = base_logits.shape
-    prev_tokens = anchor.to(torch.long)
-    state = None
-    tokens = torch.empty(batch, num_slots, dtype=torch.long, device=base_logits.device)
-    probs = None if temperature is None else torch.empty_like(base_logits)
-    confidence = None
-    if confidence_head is not None:
-        confidence = torch.empty(
-            batch, num_slots, dtype=base_logits.dtype, device=base_logits.device
-        )
     if temperature is not None and noise is None:
         noise = torch.rand(batch, num_slots, vocab, generator=generator, dtype=base_logits.dtype)
-    for slot in range(num_slots):
-        slot_hidden = hidden[:, slot]
-        bias, state = markov_bias(head, prev_tokens, slot_hidden, state)
-        if confidence is not None:
-            code = markov_embed(head, prev_tokens)
-            confidence[:, slot] = slot_confidence(confidence_head, slot_hidden, code)
-        slot_noise = None if noise is None else noise[:, slot]
-        token, slot_probs = sample_slot(base_logits[:, slot] + bias, temperature, slot_noise)
-        if probs is not None:
-            probs[:, slot] = slot_probs
-        tokens[:, slot] = token
-        prev_tokens = token  # chaining: the next slot conditions on what was drafted
-    return DraftBlock(tokens=tokens, probs=probs, confidence=confidence)
+
+    def bias_step(previous: Any, slot: int, state: Any) -> tuple[Any, Any, Any]:
+        bias, state = markov_bias(head, previous, hidden[:, slot], state)
+        return bias, state, markov_embed(head, previous)
+
+    def pick(corrected: Any, slot: int) -> tuple[Any, Any]:
+        return sample_slot(corrected, temperature, None if noise is None else noise[:, slot])
+
+    walked = walk_slots(base_logits, anchor, bias_step, pick)
+    confidence = None
+    if confidence_head is not None:
+        confidence = torch.stack(
+            [
+                slot_confidence(confidence_head, hidden[:, slot], code)
+                for slot, code in enumerate(walked.embeddings)
+            ],
+            dim=1,
+        )
+    return DraftBlock(tokens=walked.tokens, probs=walked.probs, confidence=confidence)
 
 
 # ---------------------------------------------------------------------- verify scheduling

@@ -176,10 +176,9 @@ def proposer_class() -> type:
                 # before 0.29 vLLM looks for the mask token only where DFlash and
                 # PARD keep it; DSpark drafts name it mask_token_id (DeepSpec) or
                 # dspark_noise_token_id (DeepSeek-V4)
-                draft = self.draft_model_config.hf_config
-                token = getattr(draft, "mask_token_id", None)
-                if token is None:
-                    token = getattr(draft, "dspark_noise_token_id", None)
+                from vllm_v4_patches.dspark.checkpoint import draft_key
+
+                token = draft_key(self.draft_model_config.hf_config, "mask_token_id")
                 if token is None:
                     raise
                 self.parallel_drafting_token_id = token

@@ -66,10 +66,10 @@ def dspark_target_taps(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
     runner, _, _ = split_receiver(instance, args)
     if not is_dspark(runner.speculative_config):
         return wrapped(*args, **kwargs)
+    from vllm_v4_patches.dspark.checkpoint import draft_key
+
     draft = runner.speculative_config.draft_model_config.hf_config
-    layer_ids = getattr(draft, "dspark_target_layer_ids", None) or getattr(
-        draft, "target_layer_ids", None
-    )
+    layer_ids = draft_key(draft, "target_layer_ids")
     if not layer_ids:
         return wrapped(*args, **kwargs)
     # checkpoints name the layer whose output they tap; vLLM's aux index i is the

@@ -1,7 +1,8 @@
 """DSpark's sequential stage over a loaded vLLM draft model.
 
 The draft model supplies the pieces (base logits, Markov embedding and bias,
-confidence); this module chains them left to right and samples. It works on any
+confidence); this module walks them left to right (``markov_chain.walk_slots``)
+and samples. It works on any
 model exposing ``compute_draft_logits`` (or ``compute_logits``), ``markov_embed``,
 ``markov_bias`` and optionally ``compute_confidence`` / ``map_draft_to_target``,
 which is what vLLM's DSpark draft classes (0.25+) expose; a model with
@@ -74,7 +75,6 @@ def draft_with_markov_head(
     the request's anchor, slot k's the token drafted at k - 1. ``generators`` are
     vLLM's seeded generators by batch row (sampling metadata).
     """
-    import torch
 
     batch = anchors.shape[0]
     base_logits = block_logits(model, hidden_states, batch, num_slots)
@@ -82,29 +82,27 @@ def draft_with_markov_head(
         block = fused_greedy_block(model, base_logits, anchors, hidden_states)
         if block is not None:
             return block
+    from vllm_v4_patches.dspark.markov_chain import walk_slots
+
     slot_hidden = hidden_states.view(batch, num_slots, hidden_states.shape[-1])
     step = getattr(model, "markov_step", None)  # gated/rnn heads need the hidden state
-    previous, state = anchors, None
-    tokens, distributions, embeddings = [], [], []
-    for slot in range(num_slots):
+
+    def bias_step(previous: Any, slot: int, state: Any) -> tuple[Any, Any, Any]:
         embedding = model.markov_embed(previous)
         if step is None:
-            bias = model.markov_bias(embedding)
-        else:
-            bias, state = step(embedding, slot_hidden[:, slot], state)
-        corrected = base_logits[:, slot].float() + bias.float()
+            return model.markov_bias(embedding), None, embedding
+        bias, state = step(embedding, slot_hidden[:, slot], state)
+        return bias, state, embedding
+
+    def pick(corrected: Any, slot: int) -> tuple[Any, Any]:
         uniforms = None if temperature is None else slot_uniforms(corrected, generators)
-        draft_ids, probs = sample_slot(corrected, temperature, uniforms)
-        previous = _to_target_ids(model, draft_ids)
-        tokens.append(previous)
-        distributions.append(probs)
-        embeddings.append(embedding)
-    confidence = _confidence(model, hidden_states, embeddings, batch)
-    return DraftBlock(
-        tokens=torch.stack(tokens, dim=1),
-        probs=None if temperature is None else torch.stack(distributions, dim=1),
-        confidence=confidence,
+        return sample_slot(corrected, temperature, uniforms)
+
+    walked = walk_slots(
+        base_logits, anchors, bias_step, pick, lambda ids: _to_target_ids(model, ids)
     )
+    confidence = _confidence(model, hidden_states, walked.embeddings, batch)
+    return DraftBlock(tokens=walked.tokens, probs=walked.probs, confidence=confidence)
 
 
 def slot_uniforms(like: torch.Tensor, generators: dict[int, Any] | None) -> torch.Tensor:

@@ -4,7 +4,7 @@ oracle the kernel's tokens are tested against."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -70,22 +70,26 @@ def _draft_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
-    batch, num_slots, _ = base_logits.shape
+    from vllm_v4_patches.dspark.markov_chain import walk_slots
+
     anchor = anchor_in_table(anchor, markov_w1)
     # fp32 weights: bf16 products are exact in fp32, so only the summation order
     # separates this from the kernel's fp32-accumulating tensor-core product.
     w2_t = markov_w2.float().t()
     weight = confidence_w.float()
-    tokens = torch.empty(batch, num_slots, dtype=torch.int64, device=base_logits.device)
-    confidence = torch.empty(batch, num_slots, dtype=torch.float32, device=base_logits.device)
-    prev = anchor
-    for slot in range(num_slots):
-        embedding = markov_w1[prev].float()
-        logits = base_logits[:, slot].float() + embedding @ w2_t
-        if gumbel_noise is not None:
-            logits = logits + gumbel_noise[:, slot].float() * temperature.float()[:, None]
-        tokens[:, slot] = logits.argmax(dim=-1)
-        features = torch.cat([hidden[:, slot].float(), embedding], dim=-1)
-        confidence[:, slot] = torch.sigmoid(features @ weight)
-        prev = tokens[:, slot]
-    return tokens, confidence
+
+    def bias_step(previous: Any, slot: int, state: Any) -> tuple[Any, Any, Any]:
+        embedding = markov_w1[previous].float()
+        return embedding @ w2_t, None, embedding
+
+    def pick(corrected: Any, slot: int) -> tuple[Any, Any]:
+        if gumbel_noise is not None:  # Gumbel-max, as the kernel's epilogue samples
+            corrected = corrected + gumbel_noise[:, slot].float() * temperature.float()[:, None]
+        return corrected.argmax(dim=-1), None
+
+    walked = walk_slots(base_logits, anchor, bias_step, pick)
+    confidence = [
+        torch.sigmoid(torch.cat([hidden[:, slot].float(), embedding], dim=-1) @ weight)
+        for slot, embedding in enumerate(walked.embeddings)
+    ]
+    return walked.tokens, torch.stack(confidence, dim=1)
