@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from _paired import paired  # noqa: E402
 
 PROMPTS = [
@@ -36,19 +37,11 @@ SPEC_TOKENS = 4
 
 
 def build(target: str, draft: str | None):  # noqa: ANN201
-    from vllm import LLM
+    from generate import dspark_speculation, tiny_llm
 
-    speculative = None
-    if draft:
-        speculative = {"method": "dspark", "model": draft, "num_speculative_tokens": SPEC_TOKENS}
-    return LLM(
-        model=target,
-        dtype="float32",
-        max_model_len=512,
-        enforce_eager=True,
-        seed=0,
-        speculative_config=speculative,
-        disable_log_stats=False,
+    speculative = dspark_speculation(draft, SPEC_TOKENS) if draft else None
+    return tiny_llm(
+        target, max_model_len=512, speculative_config=speculative, disable_log_stats=False
     )
 
 

@@ -38,19 +38,13 @@ sys.path.insert(0, str(REPO / "tools"))
 
 
 def build_engine(target: str, draft: str | None, spec_tokens: int) -> object:
-    from generate import fixed_kv_cache
-    from vllm import LLM
+    from generate import dspark_speculation, tiny_llm
 
-    speculative = None
-    if draft:
-        speculative = {"method": "dspark", "model": draft, "num_speculative_tokens": spec_tokens}
-    return LLM(
-        model=target,
-        dtype="float32",
-        **fixed_kv_cache(2),
-        max_model_len=256,
-        enforce_eager=False,
-        seed=0,
+    speculative = dspark_speculation(draft, spec_tokens) if draft else None
+    return tiny_llm(
+        target,
+        eager=False,
+        kv_cache_gib=2,
         speculative_config=speculative,
         disable_log_stats=False,
     )

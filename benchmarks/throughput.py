@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from _paired import paired  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,9 +34,10 @@ TOKENS = len(PROMPTS) * MAX_TOKENS
 
 
 def build_engine(model: str, eager: bool):
-    from vllm import LLM, SamplingParams
+    from generate import tiny_llm
+    from vllm import SamplingParams
 
-    llm = LLM(model=model, dtype="float32", max_model_len=256, enforce_eager=eager, seed=0)
+    llm = tiny_llm(model, eager=eager)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return llm, params
 

@@ -25,6 +25,7 @@ import json
 import os
 import time
 import traceback
+from typing import Any
 
 DEFAULT_PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
 
@@ -70,7 +71,7 @@ def generate(
     stagger: int = 0,
     cudagraph_mode: str | None = None,
 ) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.platforms import current_platform
 
     prompts = prompts or DEFAULT_PROMPTS
@@ -83,19 +84,16 @@ def generate(
     if dflash:
         speculative = {"method": "dflash", "model": dflash, "num_speculative_tokens": spec_tokens}
     if dspark:
-        speculative = {"method": "dspark", "model": dspark, "num_speculative_tokens": spec_tokens}
-        if draft_sample_method:
-            speculative["draft_sample_method"] = draft_sample_method
+        sample_method = {"draft_sample_method": draft_sample_method} if draft_sample_method else {}
+        speculative = dspark_speculation(dspark, spec_tokens, **sample_method)
     # collective_rpc ships dspark_drafter_stats and cudagraph_facts to the worker by value
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     started = time.perf_counter()
-    llm = LLM(
-        model=model,
+    llm = tiny_llm(
+        model,
+        eager=eager,
         dtype=dtype,
-        **fixed_kv_cache(kv_cache_gib),
-        max_model_len=256,
-        enforce_eager=eager,
-        seed=0,
+        kv_cache_gib=kv_cache_gib,
         load_format="auto",
         speculative_config=speculative,
         async_scheduling=async_scheduling,
@@ -139,6 +137,36 @@ def generate(
         "tokens_per_s": bench,
         "bench_ran_first": bool(bench),
     }
+
+
+def tiny_llm(
+    model: str,
+    *,
+    eager: bool = True,
+    dtype: str = "float32",
+    kv_cache_gib: float | None = None,
+    max_model_len: int = 256,
+    **options: Any,
+) -> Any:
+    """The engine every tool and benchmark builds on the tiny models: seed 0, a
+    256-token context, eager unless asked, a fixed KV cache where given
+    (``fixed_kv_cache``); ``options`` go to ``vllm.LLM`` as they are."""
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        dtype=dtype,
+        **fixed_kv_cache(kv_cache_gib),
+        max_model_len=max_model_len,
+        enforce_eager=eager,
+        seed=0,
+        **options,
+    )
+
+
+def dspark_speculation(draft: str, spec_tokens: int, **extra: Any) -> dict:
+    """vLLM's ``speculative_config`` for DSpark with this draft."""
+    return {"method": "dspark", "model": draft, "num_speculative_tokens": spec_tokens, **extra}
 
 
 def fixed_kv_cache(gib: float | None) -> dict:

@@ -154,16 +154,13 @@ def main() -> None:
         backend["hf_overrides"] = regrouped_heads(options.model, options.head_dim)
     # collective_rpc ships the inspection function to the worker by value
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    from generate import fixed_kv_cache
-    from vllm import LLM, SamplingParams
+    from generate import tiny_llm
+    from vllm import SamplingParams
 
-    llm = LLM(
-        model=options.model,
+    llm = tiny_llm(
+        options.model,
         dtype=options.dtype,
-        **fixed_kv_cache(options.kv_cache_gib),
-        max_model_len=256,
-        enforce_eager=True,
-        seed=0,
+        kv_cache_gib=options.kv_cache_gib,
         speculative_config=NGRAM if options.ngram else None,
         **backend,
     )

@@ -87,19 +87,11 @@ def main() -> None:
     options = parser.parse_args()
     # collective_rpc ships the recorder to the worker by value
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    from vllm import LLM, SamplingParams
+    from generate import dspark_speculation, tiny_llm
+    from vllm import SamplingParams
 
-    llm = LLM(
-        model=options.target,
-        dtype="float32",
-        max_model_len=256,
-        enforce_eager=True,
-        seed=0,
-        speculative_config={
-            "method": "dspark",
-            "model": options.draft,
-            "num_speculative_tokens": options.spec_tokens,
-        },
+    llm = tiny_llm(
+        options.target, speculative_config=dspark_speculation(options.draft, options.spec_tokens)
     )
     llm.collective_rpc(install_recorder)
     params = SamplingParams(temperature=0.0, max_tokens=options.max_tokens, ignore_eos=True)
