@@ -66,6 +66,9 @@ def vllm_cache_root(pythonpath: list[str] | tuple[str, ...]) -> str:
     return str(REPO / ".cache" / "vllm-cache" / "venv")
 
 
+PORT_RACE = "EADDRINUSE"
+
+
 def run_python(
     args: list[str],
     *,
@@ -78,14 +81,20 @@ def run_python(
     full_env = clean_env(**{"VLLM_CACHE_ROOT": vllm_cache_root(pythonpath), **(env or {})})
     if pythonpath:
         full_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
-    result = subprocess.run(
-        [sys.executable, *args],
-        env=full_env,
-        cwd=str(cwd) if cwd else str(REPO / ".cache"),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, *args],
+            env=full_env,
+            cwd=str(cwd) if cwd else str(REPO / ".cache"),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        # vLLM picks a free port for torch.distributed by binding port 0 and closing it,
+        # so two engines starting at once can both take the same one; that start-up
+        # race (nothing of the overlay's) gets one more try
+        if result.returncode == 0 or PORT_RACE not in result.stdout + result.stderr:
+            break
     if check and result.returncode != 0:
         raise AssertionError(
             f"{args} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"

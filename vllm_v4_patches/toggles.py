@@ -6,7 +6,8 @@ Precedence (first match wins):
 3. the patch's own default (``PatchRecord.default_enabled``).
 
 A malformed value never raises: it logs one warning naming the variable and the
-accepted values, and the default applies.
+accepted values (once per process, however often the setting is read), and the
+default applies.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ _FALSE = ("0", "false", "off", "no")
 ACCEPTED_BOOLEANS = ", ".join(_TRUE + _FALSE)
 
 logger = logging.getLogger("vllm_v4_patches")
+_warned: set[tuple[str, str]] = set()  # (variable, value) pairs this process warned of
+
+
+def warn_once(name: str, raw: str, message: str, *args: object) -> None:
+    """Settings are read once per patch and per engine, so a bad value would
+    otherwise be reported dozens of times in one process."""
+    if (name, raw) in _warned:
+        return
+    _warned.add((name, raw))
+    logger.warning(message, *args)
 
 
 def toggle_name(patch_id: str) -> str:
@@ -42,7 +53,9 @@ def read_bool(name: str, default: bool, env: Mapping[str, str] | None = None) ->
         return True
     if raw.lower() in _FALSE:
         return False
-    logger.warning(
+    warn_once(
+        name,
+        raw,
         "vllm_v4_patches: %s=%r is not a boolean; accepted: %s; using the default (%s)",
         name,
         raw,
@@ -61,7 +74,9 @@ def read_choice(
     if raw in choices:
         return raw
     if raw:
-        logger.warning(
+        warn_once(
+            name,
+            raw,
             "vllm_v4_patches: %s=%r is not one of %s; %s",
             name,
             raw,
@@ -106,7 +121,9 @@ def warn_unknown_patch_switches(
     known = {toggle_name(patch_id) for patch_id in known_ids}
     for name in sorted(os.environ if env is None else env):
         if name.startswith(PATCH_SWITCH_PREFIX) and name not in known:
-            logger.warning(
+            warn_once(
+                name,
+                "",
                 "vllm_v4_patches: %s names no patch; accepted per-patch switches: %s",
                 name,
                 ", ".join(sorted(known)),

@@ -56,7 +56,11 @@ def detect(env: dict[str, str] | None = None) -> DetectedVersion:
     if override:
         if parse(override) is not None:
             return DetectedVersion(override, f"{VERSION_OVERRIDE}")
-        logger.warning(
+        from vllm_v4_patches.toggles import warn_once
+
+        warn_once(
+            VERSION_OVERRIDE,
+            override,
             "vllm_v4_patches: %s=%r is not a PEP 440 version (e.g. 0.32.0, "
             "0.34.0.dev12+gabc123); detecting the installed vLLM instead",
             VERSION_OVERRIDE,

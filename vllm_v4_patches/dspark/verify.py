@@ -64,7 +64,11 @@ def fixed_cost(env: dict[str, str] | None = None) -> tuple[float, float] | None:
     except ValueError:
         step_ms = token_ms = -1.0
     if step_ms < 0 or token_ms < 0 or step_ms + token_ms <= 0:
-        logger.warning(
+        from vllm_v4_patches.toggles import warn_once
+
+        warn_once(
+            COST_SETTING,
+            raw,
             "vllm_v4_patches: %s=%r is not 'STEP_MS,TOKEN_MS' (two non-negative numbers, "
             "not both 0); measuring the step cost instead",
             COST_SETTING,
