@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_v4_patches.dspark.heads import DraftBlock, sample_slot
+from vllm_v4_patches.dspark.markov_chain import walk_slots
 
 if TYPE_CHECKING:
     import torch
@@ -82,8 +83,6 @@ def draft_with_markov_head(
         block = fused_greedy_block(model, base_logits, anchors, hidden_states)
         if block is not None:
             return block
-    from vllm_v4_patches.dspark.markov_chain import walk_slots
-
     slot_hidden = hidden_states.view(batch, num_slots, hidden_states.shape[-1])
     step = getattr(model, "markov_step", None)  # gated/rnn heads need the hidden state
 
