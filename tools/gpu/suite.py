@@ -55,6 +55,7 @@ KV = ["--kv-cache-gib", "2"]
 TOKENS = ["--max-tokens", "32"]
 BENCH = ["--max-tokens", "64", "--bench-batches", "1", "16", "64"]
 PIECEWISE = ["--cudagraph-mode", "PIECEWISE"]
+FULL_DECODE_ONLY = ["--cudagraph-mode", "FULL_DECODE_ONLY"]
 V1, V2 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 # with one GPU vLLM runs the worker inside the EngineCore process (no worker process)
 ROLES = {"front-end", "engine-core"}
@@ -219,6 +220,14 @@ def jobs() -> list[Job]:
         Job(
             "dflash-stock-stagger-piecewise",
             [*shrinking, *PIECEWISE, "--dflash", str(DFLASH_DRAFT), "--spec-tokens", "4"],
+            False,
+            V1,
+            below_version="0.21",
+        ),
+        # and whether it needs the full graph of mixed batches, or the decode one is enough
+        Job(
+            "dflash-stock-stagger-full-decode",
+            [*shrinking, *FULL_DECODE_ONLY, "--dflash", str(DFLASH_DRAFT), "--spec-tokens", "4"],
             False,
             V1,
             below_version="0.21",
@@ -738,6 +747,9 @@ CHECKS: dict[str, Check] = {
     ),
     "stock dflash (diagnostic, no overlay): shrinking batch, piecewise CUDA graphs only": (
         same_tokens("qwen3-nospec-stagger", "dflash-stock-stagger-piecewise")
+    ),
+    "stock dflash (diagnostic, no overlay): shrinking batch, decode-only full CUDA graphs": (
+        same_tokens("qwen3-nospec-stagger", "dflash-stock-stagger-full-decode")
     ),
     "dspark/v1 (diagnostic): shrinking batch, piecewise CUDA graphs only": same_tokens(
         "qwen3-nospec-stagger", "dspark-v1-stagger-piecewise"
