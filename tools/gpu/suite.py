@@ -56,6 +56,7 @@ TOKENS = ["--max-tokens", "32"]
 BENCH = ["--max-tokens", "64", "--bench-batches", "1", "16", "64"]
 PIECEWISE = ["--cudagraph-mode", "PIECEWISE"]
 FULL_DECODE_ONLY = ["--cudagraph-mode", "FULL_DECODE_ONLY"]
+BF16 = ["--dtype", "bfloat16"]
 V1, V2 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 # with one GPU vLLM runs the worker inside the EngineCore process (no worker process)
 ROLES = {"front-end", "engine-core"}
@@ -220,6 +221,24 @@ def jobs() -> list[Job]:
         Job(
             "dflash-stock-stagger-piecewise",
             [*shrinking, *PIECEWISE, "--dflash", str(DFLASH_DRAFT), "--spec-tokens", "4"],
+            False,
+            V1,
+            below_version="0.21",
+        ),
+        # flex_graphs: the same DFlash through the overlay, whose patch keeps the
+        # float32 target's FlexAttention out of multi-token full graphs
+        Job(
+            "dflash-overlay-stagger",
+            [*shrinking, "--dflash", str(DFLASH_DRAFT), "--spec-tokens", "4"],
+            True,
+            V1,
+            below_version="0.21",
+        ),
+        # in bfloat16 the target takes FlashAttention, not FlexAttention
+        Job("qwen3-nospec-stagger-bf16", [*shrinking, *BF16], False, V1, below_version="0.21"),
+        Job(
+            "dflash-stock-stagger-bf16",
+            [*shrinking, *BF16, "--dflash", str(DFLASH_DRAFT), "--spec-tokens", "4"],
             False,
             V1,
             below_version="0.21",
@@ -747,6 +766,15 @@ CHECKS: dict[str, Check] = {
     ),
     "stock dflash (diagnostic, no overlay): shrinking batch, piecewise CUDA graphs only": (
         same_tokens("qwen3-nospec-stagger", "dflash-stock-stagger-piecewise")
+    ),
+    "flex_graphs: vLLM's DFlash through the overlay, shrinking batch equals no speculation": (
+        same_tokens("qwen3-nospec-stagger", "dflash-overlay-stagger")
+    ),
+    "flex_graphs: status applied in engine processes": status_outcome(
+        "dflash-overlay-stagger", "flex_graphs", "applied", "FlexAttentionMetadataBuilder"
+    ),
+    "stock dflash (diagnostic, no overlay): shrinking batch in bfloat16 (FlashAttention)": (
+        same_tokens("qwen3-nospec-stagger-bf16", "dflash-stock-stagger-bf16")
     ),
     "stock dflash (diagnostic, no overlay): shrinking batch, decode-only full CUDA graphs": (
         same_tokens("qwen3-nospec-stagger", "dflash-stock-stagger-full-decode")
