@@ -97,10 +97,18 @@ def run_python(
             break
     if check and result.returncode != 0:
         raise AssertionError(
-            f"{args} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
-            f"\n--- stderr\n{result.stderr[-8000:]}"
+            f"{args} exited {result.returncode}\n--- error lines\n{error_lines(result)}"
+            f"\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-8000:]}"
         )
     return result
+
+
+def error_lines(result: subprocess.CompletedProcess, limit: int = 40) -> str:
+    """The lines naming an error, from anywhere in the output: a child process's root
+    cause (an engine core's) is often far above the tails the message keeps."""
+    lines = (result.stdout + result.stderr).splitlines()
+    marked = [x for x in lines if " ERROR " in x or "Error:" in x or "Exception:" in x]
+    return "\n".join(marked[:limit])
 
 
 GENERATE = str(REPO / "tools" / "generate.py")

@@ -243,6 +243,29 @@ def jobs() -> list[Job]:
             V1,
             below_version="0.21",
         ),
+        # with flex_graphs the float32 timing run on 0.20.x stops at Dynamo's recompile
+        # limit in FlexAttention's compiled kernel: whether vLLM's DFlash does the same
+        # with piecewise graphs and no overlay, and whether DSpark in bfloat16
+        # (FlashAttention) runs and times
+        Job(
+            "bench-dflash-stock-piecewise",
+            [*compiled_qwen3, *BENCH, *KV, *PIECEWISE, "--dflash", str(DFLASH_DRAFT)]
+            + ["--spec-tokens", "4"],
+            False,
+            V1,
+            below_version="0.21",
+            alone=True,
+        ),
+        Job("qwen3-nospec-bf16", [*qwen3, *BF16], False, V1, below_version="0.21"),
+        Job("dspark-v1-bf16", [*qwen3, *BF16, *dspark], True, V1, below_version="0.21"),
+        Job(
+            "bench-dspark-bf16",
+            [*compiled_qwen3, *BENCH, *KV, *BF16, *dspark],
+            True,
+            V1,
+            below_version="0.21",
+            alone=True,
+        ),
         # and whether it needs the full graph of mixed batches, or the decode one is enough
         Job(
             "dflash-stock-stagger-full-decode",
@@ -776,6 +799,13 @@ CHECKS: dict[str, Check] = {
     "stock dflash (diagnostic, no overlay): shrinking batch in bfloat16 (FlashAttention)": (
         same_tokens("qwen3-nospec-stagger-bf16", "dflash-stock-stagger-bf16")
     ),
+    "stock dflash (diagnostic, no overlay): timing run with piecewise CUDA graphs": completes(
+        "bench-dflash-stock-piecewise"
+    ),
+    "dspark/v1 (bfloat16): greedy equal to no speculation": same_tokens(
+        "qwen3-nospec-bf16", "dspark-v1-bf16"
+    ),
+    "dspark/v1 (bfloat16): timing run completes": completes("bench-dspark-bf16"),
     "stock dflash (diagnostic, no overlay): shrinking batch, decode-only full CUDA graphs": (
         same_tokens("qwen3-nospec-stagger", "dflash-stock-stagger-full-decode")
     ),
