@@ -44,3 +44,17 @@ def test_readme_shows_the_generated_patch_table():
     shown = readme[begin : readme.index(explain_module.TABLE_END)].strip()
     assert shown == explain_module.patch_table()
     assert len(shown.splitlines()) == 2 + len(load_patches())
+
+
+def test_each_patch_page_is_generated_from_its_record():
+    """``docs/patches/<id>.md`` is what ``--write-docs`` writes today, one per patch."""
+    from vllm_v4_patches import explain as explain_module
+
+    pages = explain_module.PATCH_PAGES
+    assert sorted(page.stem for page in pages.glob("*.md")) == sorted(patch_ids())
+    for patch in load_patches():
+        page = (pages / f"{patch.id}.md").read_text()
+        assert page == explain_module.patch_page(patch.id), patch.id
+        flat = " ".join(page.split())
+        for prose in (patch.record.why, patch.record.how, patch.record.removal_plan):
+            assert " ".join(prose.split()) in flat

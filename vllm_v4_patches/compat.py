@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
     write_matrix(fresh)
     write_readme_table(fresh)
+    from vllm_v4_patches import explain
+
+    explain.write_docs()  # each patch page carries its matrix column
     print(markdown_table(fresh))
     return 0
 

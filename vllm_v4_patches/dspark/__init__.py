@@ -108,7 +108,7 @@ RECORD = PatchRecord(
         "While a DSpark runner builds attention metadata, the batch's request ids are "
         "published through vllm_v4_patches.request_ids. "
         "Warm-up (dspark.warmup, VLLM_V4_DSPARK_WARMUP): vLLM's start-up never runs a "
-        "speculative step, so the engine core of a V1 DSpark engine on a GPU serves a "
+        "speculative step, so the engine core of a V1 DSpark engine on a GPU serves "
         "internal greedy and sampled requests (one per power-of-two prompt length, a "
         "uniform batch per power of two up to 256, then staggered batches that shrink) "
         "after its start-up and drops their outputs; the worker holds vLLM's JIT "
