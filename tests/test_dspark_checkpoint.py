@@ -547,22 +547,32 @@ def test_drafting_past_the_block_gets_one_line_naming_both_settings(dspark_pair,
     assert f"block_size={spec.block_size}" in line and f"{draft}/config.json" in line
 
 
-def test_serving_reads_each_format_s_name_for_the_mask_token_and_taps() -> None:
-    """The keys serving reads from a loaded draft config resolve under both formats'
-    names through one table, and the DFlash exposure takes a DeepSeek-V4 config's
-    noise token as the mask token (its name there is ``dspark_noise_token_id``, not
-    ``dspark_mask_token_id``). The configs are plain namespaces standing in for
-    vLLM's ``hf_config`` objects, which carry a config's keys as attributes."""
-    import types
+def test_serving_reads_the_spec_of_a_loaded_config_under_either_format() -> None:
+    """Serving reads a draft through ``draft_spec`` of the ``hf_config`` vLLM loaded
+    (a real transformers config here): the same spec the checkpoint parser gives,
+    whatever the architecture has been renamed to since (vLLM's DFlash route, the
+    overlay's own class), a DeepSeek-V4 config's noise token as the mask token, and
+    a malformed key as one line. The DFlash exposure takes its values from it."""
+    from transformers import PretrainedConfig
 
-    from vllm_v4_patches.dspark.checkpoint import draft_key
+    from vllm_v4_patches.dspark.checkpoint import draft_spec
     from vllm_v4_patches.dspark.config_hooks import expose_keys_to_dflash
 
-    deepspec = types.SimpleNamespace(mask_token_id=5, target_layer_ids=[0, 2])
-    v4 = types.SimpleNamespace(dspark_noise_token_id=7, dspark_target_layer_ids=[1, 3])
-    assert (draft_key(deepspec, "mask_token_id"), draft_key(v4, "mask_token_id")) == (5, 7)
-    assert draft_key(v4, "target_layer_ids") == [1, 3]
-    assert draft_key(types.SimpleNamespace(), "target_layer_ids") is None
+    renamed = {**DEEPSPEC_CONFIG, "architectures": ["DFlashQwen3DSparkModel"]}
+    assert draft_spec(PretrainedConfig(**renamed)) == parse_deepspec_qwen3_config(DEEPSPEC_CONFIG)
+    v4 = PretrainedConfig(**V4_CONFIG)
+    assert draft_spec(v4) == parse_deepseek_v4_config(V4_CONFIG)
+    assert draft_spec(v4).mask_token_id == V4_CONFIG["dspark_noise_token_id"]
 
     assert expose_keys_to_dflash(v4) == ("target_layer_ids", "mask_token_id")
-    assert v4.dflash_config == {"target_layer_ids": [1, 3], "mask_token_id": 7}
+    assert v4.dflash_config == {"target_layer_ids": [40, 41, 42], "mask_token_id": 128799}
+    kept = PretrainedConfig(**DEEPSPEC_CONFIG, dflash_config={"mask_token_id": 3})
+    assert expose_keys_to_dflash(kept) == ("target_layer_ids",)  # a key already set wins
+    assert kept.dflash_config["mask_token_id"] == 3
+
+    broken = PretrainedConfig(**{**DEEPSPEC_CONFIG, "markov_head_type": "lstm"})
+    with pytest.raises(ValueError) as error:
+        draft_spec(broken)
+    message = str(error.value)
+    assert "\n" not in message and "markov_head_type='lstm'" in message
+    assert "vanilla, gated, rnn" in message

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from vllm_builds import INSTALLED
 
 from conftest import (
     GENERATE,
@@ -22,7 +23,6 @@ from conftest import (
     read_status_files,
     run_python,
 )
-from vllm_builds import INSTALLED
 from vllm_v4_patches.registry import load_patches
 
 pytestmark = pytest.mark.e2e

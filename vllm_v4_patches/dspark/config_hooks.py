@@ -61,7 +61,7 @@ def _check_stand_in_request(kwargs: dict) -> None:
 
 def _mark_dspark_draft(hf_config: Any) -> None:
     """Check the draft is one the overlay's class runs, and mark it as DSpark."""
-    from vllm_v4_patches.dspark.checkpoint import MARKOV_HEAD_TYPES
+    from vllm_v4_patches.dspark.checkpoint import draft_spec
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not set(architectures) & set(DSPARK_ARCHITECTURES):
@@ -69,12 +69,7 @@ def _mark_dspark_draft(hf_config: Any) -> None:
             f"speculative_config.model: architectures={architectures} is not a DSpark draft "
             f"this vLLM can run; accepted: {DSPARK_ARCHITECTURE}"
         )
-    head_type = getattr(hf_config, "markov_head_type", "vanilla")
-    if head_type not in MARKOV_HEAD_TYPES:
-        raise ValueError(
-            f"markov_head_type={head_type!r} is not supported on this vLLM; accepted: "
-            f"{', '.join(MARKOV_HEAD_TYPES)}"
-        )
+    draft_spec(hf_config)  # a malformed key fails here, in one line naming it
     expose_keys_to_dflash(hf_config)
     setattr(hf_config, DRAFT_METHOD_MARK, "dspark")
 
@@ -98,11 +93,12 @@ def expose_keys_to_dflash(hf_config: Any) -> tuple[str, ...]:
         return added
     dflash_config = dict(getattr(hf_config, "dflash_config", None) or {})
     added = []
-    from vllm_v4_patches.dspark.checkpoint import V4_KEY_NAMES, draft_key
+    from vllm_v4_patches.dspark.checkpoint import draft_spec
 
-    for key in V4_KEY_NAMES:
-        value = draft_key(hf_config, key)
-        if value is not None and key not in dflash_config:
+    spec = draft_spec(hf_config)
+    values = {"target_layer_ids": list(spec.target_layer_ids), "mask_token_id": spec.mask_token_id}
+    for key, value in values.items():
+        if key not in dflash_config:
             dflash_config[key] = value
             added.append(key)
     hf_config.dflash_config = dflash_config

@@ -54,12 +54,13 @@ def draft_model_class() -> type:
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
     from vllm_v4_patches.dspark import heads
+    from vllm_v4_patches.dspark.checkpoint import draft_spec
 
     class MarkovHead(nn.Module):
-        def __init__(self, config: Any, prefix: str) -> None:
+        def __init__(self, config: Any, spec: Any, prefix: str) -> None:
             super().__init__()
-            rank, hidden = config.markov_rank, config.hidden_size
-            self.kind = getattr(config, "markov_head_type", None) or "vanilla"
+            rank, hidden = spec.markov_rank, spec.hidden_size
+            self.kind = spec.markov_head_type or "vanilla"
             self.markov_w1 = VocabParallelEmbedding(
                 config.vocab_size, rank, prefix=f"{prefix}.markov_w1"
             )
@@ -104,11 +105,13 @@ def draft_model_class() -> type:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
             config = self.config
             inner_prefix = f"{prefix}.model" if prefix else "model"
-            self.model.markov_head = MarkovHead(config, prefix=f"{inner_prefix}.markov_head")
+            spec = draft_spec(config)
+            head_prefix = f"{inner_prefix}.markov_head"
+            self.model.markov_head = MarkovHead(config, spec, prefix=head_prefix)
             self.model.confidence_head = None
-            if getattr(config, "enable_confidence_head", False):
-                with_markov = bool(getattr(config, "confidence_head_with_markov", False))
-                width = config.hidden_size + (config.markov_rank if with_markov else 0)
+            if spec.enable_confidence_head:
+                with_markov = spec.confidence_head_with_markov
+                width = spec.hidden_size + (spec.markov_rank if with_markov else 0)
                 self.model.confidence_head = ConfidenceHead(width, with_markov)
             _keep_query_projection_weights(self.model.layers)
 

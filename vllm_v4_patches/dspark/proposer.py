@@ -78,9 +78,11 @@ def serve_with_overlay_class_where_needed(hf_config: Any, needs_confidence: bool
         return
     if DSPARK_ARCHITECTURE not in (getattr(hf_config, "architectures", None) or []):
         return
-    kind = getattr(hf_config, "markov_head_type", None) or "vanilla"
-    has_confidence = bool(getattr(hf_config, "enable_confidence_head", False))
-    scores_confidence = has_confidence and needs_confidence
+    from vllm_v4_patches.dspark.checkpoint import draft_spec
+
+    spec = draft_spec(hf_config)
+    kind = spec.markov_head_type or "vanilla"
+    scores_confidence = spec.enable_confidence_head and needs_confidence
     if kind != "vanilla" or (scores_confidence and not _native_class_scores_confidence()):
         hf_config.architectures = [OVERLAY_ARCHITECTURE]
 
@@ -176,12 +178,10 @@ def proposer_class() -> type:
                 # before 0.29 vLLM looks for the mask token only where DFlash and
                 # PARD keep it; DSpark drafts name it mask_token_id (DeepSpec) or
                 # dspark_noise_token_id (DeepSeek-V4)
-                from vllm_v4_patches.dspark.checkpoint import draft_key
+                from vllm_v4_patches.dspark.checkpoint import draft_spec
 
-                token = draft_key(self.draft_model_config.hf_config, "mask_token_id")
-                if token is None:
-                    raise
-                self.parallel_drafting_token_id = token
+                spec = draft_spec(self.draft_model_config.hf_config)
+                self.parallel_drafting_token_id = spec.mask_token_id
 
         def set_inputs_first_pass(
             self,

@@ -66,15 +66,12 @@ def dspark_target_taps(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
     runner, _, _ = split_receiver(instance, args)
     if not is_dspark(runner.speculative_config):
         return wrapped(*args, **kwargs)
-    from vllm_v4_patches.dspark.checkpoint import draft_key
+    from vllm_v4_patches.dspark.checkpoint import draft_spec
 
-    draft = runner.speculative_config.draft_model_config.hf_config
-    layer_ids = draft_key(draft, "target_layer_ids")
-    if not layer_ids:
-        return wrapped(*args, **kwargs)
+    spec = draft_spec(runner.speculative_config.draft_model_config.hf_config)
     # checkpoints name the layer whose output they tap; vLLM's aux index i is the
     # stream entering layer i, i.e. the output of layer i - 1
-    return tuple(layer_id + 1 for layer_id in layer_ids)
+    return tuple(layer_id + 1 for layer_id in spec.target_layer_ids)
 
 
 def _dspark_drafter(runner: Any) -> Any:
