@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_v4_patches.dspark import heads
+from vllm_v4_patches.dspark import draft_math
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def rejection_sample_reference(
     num_accepted = accepted.to(torch.long).cumprod(dim=-1).sum(dim=-1)
 
     emit_from = _residual_distributions(target_probs, draft_tokens, draft_probs, verify_lengths)
-    final_candidates = heads.exponential_race(emit_from, residual_uniforms)  # [B, N + 1]
+    final_candidates = draft_math.exponential_race(emit_from, residual_uniforms)  # [B, N + 1]
     final_token = final_candidates.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
 
     tokens = torch.full((batch, num_slots + 1), -1, dtype=torch.long)

@@ -38,8 +38,8 @@ import pytest
 import rejection_oracle
 import torch
 
-from vllm_v4_patches.dspark import heads
-from vllm_v4_patches.dspark.heads import ConfidenceHead, MarkovHead
+from vllm_v4_patches.dspark import draft_math, verify_lengths
+from vllm_v4_patches.dspark.draft_math import ConfidenceHead, MarkovHead
 
 DTYPE = torch.float64
 VOCAB = 5
@@ -305,7 +305,7 @@ class SimulationResult:
     length_histogram: torch.Tensor  # [N + 1]: rounds by number of verified drafts
 
 
-LengthRule = Callable[[heads.DraftBlock], torch.Tensor]
+LengthRule = Callable[[draft_math.DraftBlock], torch.Tensor]
 
 
 def simulate(
@@ -343,7 +343,7 @@ def simulate(
         base = world.base_table[ctx2, ctx1, :num_slots]
         draft_temperature = torch.full((size,), temperature, dtype=DTYPE)
         draft_noise = torch.rand(size, num_slots, VOCAB, generator=draft_generator, dtype=DTYPE)
-        block = heads.draft_block(
+        block = draft_math.draft_block(
             base,
             ctx1,
             world.hidden_table[ctx2, ctx1, :num_slots],
@@ -462,7 +462,9 @@ def test_draft_block_matches_slot_by_slot_loop(kind: str, sampled: bool) -> None
     temperature = torch.tensor([0.5, 1.0, 1.7, 0.9], dtype=DTYPE) if sampled else None
     noise = torch.rand(batch, num_slots, vocab, generator=generator, dtype=DTYPE)
 
-    block = heads.draft_block(base, anchor, hidden, head, confidence_head, temperature, noise=noise)
+    block = draft_math.draft_block(
+        base, anchor, hidden, head, confidence_head, temperature, noise=noise
+    )
     tokens, probs, confidence = loop_reference_draft(
         base, anchor, hidden, head, confidence_head, temperature, noise
     )
@@ -482,12 +484,12 @@ def test_markov_bias_variants_at_one_slot() -> None:
     prev = torch.tensor([2, 0, 4])
     hidden = torch.randn(3, HIDDEN, generator=generator, dtype=DTYPE)
     vanilla = make_head("vanilla", generator, 6)
-    bias, state = heads.markov_bias(vanilla, prev, hidden)
+    bias, state = draft_math.markov_bias(vanilla, prev, hidden)
     torch.testing.assert_close(bias, vanilla.w1[prev] @ vanilla.w2.T)
     assert state is None
 
     rnn = make_head("rnn", generator, 6)
-    bias, state = heads.markov_bias(rnn, prev, hidden)  # s_0 = 0
+    bias, state = draft_math.markov_bias(rnn, prev, hidden)  # s_0 = 0
     joint = torch.cat([torch.zeros(3, RANK, dtype=DTYPE), rnn.w1[prev], hidden], -1)
     gate, candidate, output = (joint @ rnn.joint_weight.T + rnn.joint_bias).split(RANK, -1)
     torch.testing.assert_close(bias, torch.tanh(output) @ rnn.w2.T)
@@ -501,7 +503,7 @@ def test_greedy_chain_feeds_each_draft_to_the_next_slot() -> None:
     successor[(torch.arange(vocab) + 1) % vocab, torch.arange(vocab)] = 10.0
     head = MarkovHead(w1=torch.eye(vocab, dtype=DTYPE), w2=successor)
     anchor = torch.tensor([0, 4])
-    block = heads.draft_block(
+    block = draft_math.draft_block(
         torch.zeros(2, num_slots, vocab, dtype=DTYPE),
         anchor,
         torch.zeros(2, num_slots, 1, dtype=DTYPE),
@@ -517,8 +519,8 @@ def test_zero_temperature_rows_are_greedy_with_one_hot_probs() -> None:
     base = torch.randn(2, 3, 7, generator=generator, dtype=DTYPE)
     hidden = torch.zeros(2, 3, HIDDEN, dtype=DTYPE)
     anchor = torch.tensor([1, 2])
-    greedy = heads.draft_block(base, anchor, hidden, head)
-    mixed = heads.draft_block(
+    greedy = draft_math.draft_block(base, anchor, hidden, head)
+    mixed = draft_math.draft_block(
         base, anchor, hidden, head, temperature=torch.tensor([0.0, 1.0], dtype=DTYPE)
     )
     assert torch.equal(mixed.tokens[0], greedy.tokens[0])
@@ -532,18 +534,18 @@ def test_confidence_and_survival() -> None:
     hidden = torch.randn(3, 4, HIDDEN, generator=generator, dtype=DTYPE)
     anchor = torch.tensor([7, 0, 2])
     weight = torch.randn(1, HIDDEN + RANK, generator=generator, dtype=DTYPE)  # DSV4 layout
-    block = heads.draft_block(base, anchor, hidden, head, ConfidenceHead(weight=weight))
+    block = draft_math.draft_block(base, anchor, hidden, head, ConfidenceHead(weight=weight))
     prev = torch.cat([anchor[:, None], block.tokens[:, :-1]], dim=1)  # anchor, d_1 .. d_{N-1}
     features = torch.cat([hidden, head.w1[prev]], dim=-1)
     expected = torch.sigmoid(features @ weight.reshape(-1))
     torch.testing.assert_close(block.confidence, expected)
 
-    survival = heads.survival(block.confidence)
+    survival = draft_math.survival(block.confidence)
     for slot in range(4):
         torch.testing.assert_close(survival[:, slot], expected[:, : slot + 1].prod(dim=1))
 
     hidden_only = ConfidenceHead(weight=weight[0, :HIDDEN], bias=torch.tensor(-0.2))
-    block = heads.draft_block(base, anchor, hidden, head, hidden_only)
+    block = draft_math.draft_block(base, anchor, hidden, head, hidden_only)
     torch.testing.assert_close(block.confidence, torch.sigmoid(hidden @ weight[0, :HIDDEN] - 0.2))
 
 
@@ -711,37 +713,39 @@ def test_greedy_target_matches_greedy_decoding(
 def test_scheduler_budget_follows_the_sps_curve() -> None:
     """docs/dspark.md 5.3: SPS drops after B = 4, so two drafts are verified in total."""
     sps = {2: 1.0, 3: 1.0, 4: 1.0, 5: 0.5, 6: 0.5}
-    assert heads.choose_verify_lengths([[0.9, 0.72], [0.6, 0.3]], sps) == [2, 0]
+    assert verify_lengths.choose_verify_lengths([[0.9, 0.72], [0.6, 0.3]], sps) == [2, 0]
 
 
 def test_scheduler_stops_at_first_non_improvement() -> None:
     # Theta: l=0 -> 1.0; l=1 -> 1.9; l=2 -> 2.7 * 0.5 = 1.35 (stop); l=3 -> 3.4 (not taken).
     sps = [0.0, 1.0, 1.0, 0.5, 1.0]
     survival = torch.tensor([[0.9, 0.8, 0.7]], dtype=DTYPE)
-    assert heads.choose_verify_lengths(survival, sps) == [1]
-    assert heads.choose_verify_lengths(survival, sps, early_stop=False) == [3]
+    assert verify_lengths.choose_verify_lengths(survival, sps) == [1]
+    assert verify_lengths.choose_verify_lengths(survival, sps, early_stop=False) == [3]
     # Across requests: the dip at B = 5 stops at request 1's second slot; admitting
     # request 0's second slot afterwards would pay off again but must not happen.
     two = [[0.9, 0.05], [0.8, 0.7]]
     sps_two = {2: 1.0, 3: 1.0, 4: 1.0, 5: 0.6, 6: 1.0}
-    assert heads.choose_verify_lengths(two, sps_two) == [1, 1]
-    assert heads.choose_verify_lengths(two, sps_two, early_stop=False) == [2, 2]
+    assert verify_lengths.choose_verify_lengths(two, sps_two) == [1, 1]
+    assert verify_lengths.choose_verify_lengths(two, sps_two, early_stop=False) == [2, 2]
 
 
 def test_scheduler_with_flat_sps_verifies_every_useful_slot() -> None:
     survival = [[0.9, 0.5, 0.0], [0.3, 0.2, 0.1]]
-    assert heads.choose_verify_lengths(survival, lambda batch_tokens: 1.0) == [2, 3]
+    assert verify_lengths.choose_verify_lengths(survival, lambda batch_tokens: 1.0) == [2, 3]
 
 
 def test_scheduler_single_request_and_ties() -> None:
     # Theta(l) = (1 + sum a) / (1 + 0.3 l): 1, 1.385, 1.5, 1.42 -> l = 2.
-    assert heads.choose_verify_lengths([[0.8, 0.6, 0.3]], lambda b: 1 / (1 + 0.3 * (b - 1))) == [2]
+    assert verify_lengths.choose_verify_lengths(
+        [[0.8, 0.6, 0.3]], lambda b: 1 / (1 + 0.3 * (b - 1))
+    ) == [2]
     one_more = {1: 1.0, 2: 1.0, 3: 0.1}
-    assert heads.choose_verify_lengths([[0.5, 0.5]], one_more) == [1]  # prefix kept
-    assert heads.choose_verify_lengths([[0.5], [0.5]], {2: 1.0, 3: 1.0, 4: 0.1}) == [1, 0]
-    assert heads.choose_verify_lengths([[0.0, 0.0]], lambda b: 1.0) == [0]
+    assert verify_lengths.choose_verify_lengths([[0.5, 0.5]], one_more) == [1]  # prefix kept
+    assert verify_lengths.choose_verify_lengths([[0.5], [0.5]], {2: 1.0, 3: 1.0, 4: 0.1}) == [1, 0]
+    assert verify_lengths.choose_verify_lengths([[0.0, 0.0]], lambda b: 1.0) == [0]
     with pytest.raises(ValueError, match="increases"):
-        heads.choose_verify_lengths([[0.5, 0.6]], lambda b: 1.0)
+        verify_lengths.choose_verify_lengths([[0.5, 0.6]], lambda b: 1.0)
 
 
 def test_vectorised_scheduler_equals_algorithm_one() -> None:
@@ -764,11 +768,14 @@ def test_vectorised_scheduler_equals_algorithm_one() -> None:
             seconds = step + token * batch_tokens
             return 1.0 / seconds if seconds > 0 else 0.0
 
-        expected = heads.choose_verify_lengths(rows, sps)
-        assert heads.choose_verify_lengths_linear(rows, step, token) == expected, (rows, step)
-    assert heads.choose_verify_lengths_linear([], 1.0, 0.0) == []
+        expected = verify_lengths.choose_verify_lengths(rows, sps)
+        assert verify_lengths.choose_verify_lengths_linear(rows, step, token) == expected, (
+            rows,
+            step,
+        )
+    assert verify_lengths.choose_verify_lengths_linear([], 1.0, 0.0) == []
     with pytest.raises(ValueError, match="request 1 increases"):
-        heads.choose_verify_lengths_linear([[0.5], [0.5, 0.6]], 1.0, 0.0)
+        verify_lengths.choose_verify_lengths_linear([[0.5], [0.5, 0.6]], 1.0, 0.0)
 
 
 @pytest.mark.parametrize("verifier_name", VERIFIERS)
@@ -780,11 +787,11 @@ def test_scheduled_verification_is_lossless(
     # Verify cost grows with the batch: l = 0, 1, 2 and 3 all occur (asserted below).
     sps = [0.0] + [1.0 / (1.0 + 0.6 * (b - 1)) for b in range(1, 8)]
 
-    def length_rule(block: heads.DraftBlock) -> torch.Tensor:
-        survival = heads.survival(block.confidence)
+    def length_rule(block: draft_math.DraftBlock) -> torch.Tensor:
+        survival = draft_math.survival(block.confidence)
         # Identical drafts give identical survival rows: schedule each distinct row once.
         distinct, inverse = torch.unique(survival, dim=0, return_inverse=True)
-        lengths = [heads.choose_verify_lengths(row[None], sps)[0] for row in distinct]
+        lengths = [verify_lengths.choose_verify_lengths(row[None], sps)[0] for row in distinct]
         return torch.tensor(lengths, dtype=torch.long)[inverse]
 
     result = simulate(
@@ -820,7 +827,7 @@ def test_appendix_a_retrospective_scheduler_is_caught(
     survival_after = {0: [0.5, 0.5 * 1.0], 1: [0.5, 0.5 * 0.1]}
     trials = TRIALS
     generator = torch.Generator().manual_seed(61)
-    drafts = heads.exponential_race(
+    drafts = draft_math.exponential_race(
         torch.full((trials, 2, 2), 0.5, dtype=DTYPE),
         torch.rand(trials, 2, 2, generator=generator, dtype=DTYPE),
     )
@@ -828,7 +835,9 @@ def test_appendix_a_retrospective_scheduler_is_caught(
     for early_stop in (True, False):
         by_first_draft = torch.tensor(
             [
-                heads.choose_verify_lengths([survival_after[x]], sps, early_stop=early_stop)[0]
+                verify_lengths.choose_verify_lengths(
+                    [survival_after[x]], sps, early_stop=early_stop
+                )[0]
                 for x in (0, 1)
             ]
         )

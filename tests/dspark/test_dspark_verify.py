@@ -139,14 +139,14 @@ def test_confidence_lag_gives_the_snapshot_before_the_newest():
 
 def test_large_batches_plan_through_the_vectorised_chooser_with_the_same_lengths():
     torch = pytest.importorskip("torch")
-    from vllm_v4_patches.dspark import heads
+    from vllm_v4_patches.dspark import draft_math, verify_lengths
 
     confidence = torch.rand(40, 5, generator=torch.Generator().manual_seed(5))
     assert confidence.numel() > verify.VECTORISE_ABOVE_SLOTS
     cost = verify.StepCostModel((20.0, 0.5))
     step, token = cost.coefficients()
-    expected = heads.choose_verify_lengths(
-        heads.survival(confidence), lambda batch_tokens: 1.0 / (step + token * batch_tokens)
+    expected = verify_lengths.choose_verify_lengths(
+        draft_math.survival(confidence), lambda batch_tokens: 1.0 / (step + token * batch_tokens)
     )
     lengths = verify.verify_lengths(confidence, cost)
     assert lengths == expected and 0 < sum(lengths) < confidence.numel()

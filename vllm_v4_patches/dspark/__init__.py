@@ -4,9 +4,10 @@ The patch record, probe and apply live here. The hooks apply installs are in
 ``config_hooks`` (how a dspark config reaches V1, per release) and ``runner_hooks``
 (the V1 runner builds and drives the drafter); the drafter (``proposer``), its
 sequential stage over a loaded draft (``sampling``, replayed by ``graphs``), the
-pure math (``heads``), scheduled verification (``verify``), the warm-up
-(``warmup``), the draft-config parser (``checkpoint``) and the fused GPU Markov
-loop (``markov_kernel``) are submodules, imported only when used.
+draft block's math (``draft_math``), scheduled verification (``verify``, planning
+with Algorithm 1 in ``verify_lengths``), the warm-up (``warmup``), the draft
+checkpoint formats (``checkpoint``) and the fused GPU Markov loop
+(``markov_kernel``) are submodules, imported only when used.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def draft_model_class() -> type:
     )
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
-    from vllm_v4_patches.dspark import heads
+    from vllm_v4_patches.dspark import draft_math
     from vllm_v4_patches.dspark.checkpoint import draft_spec
 
     class MarkovHead(nn.Module):
@@ -80,11 +80,11 @@ def draft_model_class() -> type:
                 return code, None
             if self.kind == "gated":
                 gate = self.gate_proj
-                return heads.gated_features(code, hidden, gate.weight, gate.bias), None
+                return draft_math.gated_features(code, hidden, gate.weight, gate.bias), None
             if state is None:
                 state = torch.zeros_like(code)
             joint = self.joint_proj
-            return heads.rnn_features(code, hidden, state, joint.weight, joint.bias)
+            return draft_math.rnn_features(code, hidden, state, joint.weight, joint.bias)
 
     class ConfidenceHead(nn.Module):
         def __init__(self, input_dim: int, with_markov: bool) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_v4_patches.dspark.heads import DraftBlock
+from vllm_v4_patches.dspark.draft_math import DraftBlock
 
 if TYPE_CHECKING:
     import torch

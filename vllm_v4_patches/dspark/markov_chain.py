@@ -5,7 +5,7 @@ slot 0), so the slots are picked in order. Every caller walks the block here and
 differs only in its pieces: how a head turns the previous token into a bias (a
 vanilla, gated or rnn head, a vLLM draft model, the fused kernel's weights) and how
 a slot's token is picked (argmax, an exponential race with the verifier's exact
-distribution, Gumbel-max). Serving (``sampling``), the functional heads (``heads``),
+distribution, Gumbel-max). Serving (``sampling``), the functional heads (``draft_math``),
 the fused kernel's PyTorch reference (``markov_kernel.reference``) and the
 distillation tool (``tools/dspark_model.py``) all call ``walk_slots``.
 

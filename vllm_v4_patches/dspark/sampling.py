@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vllm_v4_patches.dspark.heads import DraftBlock, sample_slot
+from vllm_v4_patches.dspark.draft_math import DraftBlock, sample_slot
 from vllm_v4_patches.dspark.markov_chain import walk_slots
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 After each draft step the drafter holds, per request, the confidence head's
 conditional acceptance estimates; their cumulative products are the survival
-scores. The paper's Algorithm 1 (``heads.choose_verify_lengths``) admits draft
+scores. The paper's Algorithm 1 (``verify_lengths.choose_verify_lengths``) admits draft
 slots in descending survival while the expected tokens per second,
 ``tau(B) * SPS(B)``, improves, and stops at the first admission that does not;
 each request's drafts are cut to its admitted prefix before the scheduler sees
@@ -119,7 +119,7 @@ class StepCostModel:
 
 def verify_lengths(confidence: Any, cost: StepCostModel) -> list[int] | None:
     """Per-request verify lengths for ``confidence [R, N]``, or None to verify all."""
-    from vllm_v4_patches.dspark.heads import survival
+    from vllm_v4_patches.dspark.draft_math import survival
 
     return _plan(survival(confidence.float()).tolist(), cost)
 
@@ -130,7 +130,10 @@ def _plan(survival_rows: list[list[float]], cost: StepCostModel) -> list[int] | 
     Both choosers give the same lengths; below about 64 slots numpy's fixed cost
     makes the plain loop the faster one.
     """
-    from vllm_v4_patches.dspark.heads import choose_verify_lengths, choose_verify_lengths_linear
+    from vllm_v4_patches.dspark.verify_lengths import (
+        choose_verify_lengths,
+        choose_verify_lengths_linear,
+    )
 
     coefficients = cost.coefficients()
     if coefficients is None:
