@@ -9,7 +9,8 @@ port with this process's environment (so the overlay applies where PYTHONPATH pu
 it), waits for ``/health``, then: eight greedy completions at once, two streamed,
 one stream closed after its second chunk (the server aborts it) followed by a fresh
 request, and vLLM's speculative counters from ``/metrics``. The server is stopped
-with SIGINT and its log is printed before the RESULT line.
+with SIGINT and its log is printed before the RESULT line; a server that exits
+during start-up gives ``{"start_failed": ...}``.
 """
 
 from __future__ import annotations
@@ -145,11 +146,15 @@ def main() -> None:
     )
     result: dict = {}
     try:
-        wait_healthy(base, server)
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        result = exercise(client, args.max_tokens)
-        result["spec_decode"] = spec_counters(base)
-        result["served_after_abort"] = True
+        try:
+            wait_healthy(base, server)
+        except RuntimeError as error:  # the server exited during start-up
+            result["start_failed"] = str(error)
+        else:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+            result = exercise(client, args.max_tokens)
+            result["spec_decode"] = spec_counters(base)
+            result["served_after_abort"] = True
     finally:
         server.send_signal(signal.SIGINT)
         try:
