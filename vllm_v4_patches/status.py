@@ -67,7 +67,18 @@ def report(vllm_version: str | None, patches: dict[str, PatchStatus]) -> dict:
         "pid": os.getpid(),
         "role": process_role(),
         "vllm_version": vllm_version,
+        "overlay": overlay_location(),
         "patches": {pid: status.as_dict() for pid, status in patches.items()},
+    }
+
+
+def overlay_location() -> dict:
+    """The overlay package this process runs, and the other copies of the overlay's
+    ``sitecustomize`` its own skipped on the path (see ``sitecustomize.py``)."""
+    entry = sys.modules.get("sitecustomize")
+    return {
+        "package": os.path.dirname(os.path.abspath(__file__)),
+        "skipped_copies": list(getattr(entry, "skipped_overlays", None) or []),
     }
 
 

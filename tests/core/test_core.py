@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -261,8 +262,10 @@ def test_status_file_has_the_documented_schema(target_module, tmp_path, monkeypa
     files = list((tmp_path / "status").glob("*.json"))
     assert [f.name for f in files] == [f"{runtime.document()['pid']}.json"]
     document = json.loads(files[0].read_text())
-    assert set(document) == {"pid", "role", "vllm_version", "patches"}
+    assert set(document) == {"pid", "role", "vllm_version", "overlay", "patches"}
     assert document["role"] == "front-end"
+    package = Path(__file__).resolve().parents[2] / "vllm_v4_patches"
+    assert document["overlay"] == {"package": str(package), "skipped_copies": []}
     assert document["patches"] == {
         "synthetic": {"outcome": "applied", "detail": "wrapped Greeter.hello"}
     }
