@@ -14,9 +14,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,11 @@ PREFETCH_LOG = REPO / ".cache" / "prefetch.log"
 # An engine run keeps about one core busy (vLLM's CPU worker runs torch on one
 # thread; start-up is Python): two at a time fill this 2-core machine.
 ENGINE_WORKERS = 2
+# The pool's jobs and the tests that start servers themselves take one slot per
+# engine they run, so no more than two engines run together: a test's own servers
+# on top of the pool's two engines oversubscribed the 2 cores, and engine starts
+# failed in CI under that load (the cause was not established beyond the overlap).
+ENGINE_SLOTS = threading.BoundedSemaphore(ENGINE_WORKERS)
 BASE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -287,12 +294,26 @@ class Scheduled:
 ENGINE_RUN_SECONDS: list[tuple[str, float]] = []  # each pool job's wall time, for the summary
 
 
-def timed(label: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    started = time.perf_counter()
+@contextmanager
+def engine_slots(count: int = 1) -> Iterator[None]:
+    """Hold ``count`` of the engine slots (see ``ENGINE_SLOTS``); a test holding
+    slots must not wait on a pool job."""
+    for _ in range(count):
+        ENGINE_SLOTS.acquire()
     try:
-        return fn(*args, **kwargs)
+        yield
     finally:
-        ENGINE_RUN_SECONDS.append((label, time.perf_counter() - started))
+        for _ in range(count):
+            ENGINE_SLOTS.release()
+
+
+def timed(label: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with engine_slots():
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            ENGINE_RUN_SECONDS.append((label, time.perf_counter() - started))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -14,7 +14,14 @@ import json
 import pytest
 from vllm_builds import INSTALLED
 
-from conftest import REPO, hf_greedy, matrix_outcomes, read_status_files, run_python
+from conftest import (
+    REPO,
+    engine_slots,
+    hf_greedy,
+    matrix_outcomes,
+    read_status_files,
+    run_python,
+)
 
 SERVE_CHECK = str(REPO / "tools" / "serve_check.py")
 FAULTS = str(REPO / "tests" / "fault_injection")
@@ -32,7 +39,8 @@ def serve_with_failing_apply(target, draft, status_dir, **env: str) -> tuple[dic
         "VLLM_V4_PATCHES_STATUS_DIR": str(status_dir),
         **env,
     }
-    result = run_python(args, pythonpath=[REPO, FAULTS], env=settings, check=False, timeout=900)
+    with engine_slots():
+        result = run_python(args, pythonpath=[REPO, FAULTS], env=settings, check=False, timeout=900)
     log = result.stdout + result.stderr
     lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
     assert lines, log[-3000:]
@@ -87,7 +95,8 @@ def test_strict_mode_refuses_to_start_naming_the_patch(dspark_pair, tmp_path):
 def kill_engine_run(target, draft=None, *, overlay: bool) -> dict:
     args = [SERVE_CHECK, str(target), "--kill-engine", "--max-tokens", "200"]
     args += ["--kv-cache-gib", "0.5"] + (["--dspark", str(draft)] if draft else [])
-    result = run_python(args, pythonpath=[REPO] if overlay else [], check=False, timeout=600)
+    with engine_slots():
+        result = run_python(args, pythonpath=[REPO] if overlay else [], check=False, timeout=600)
     lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
     assert lines, (result.stdout + result.stderr)[-3000:]
     return json.loads(lines[-1].removeprefix("RESULT "))

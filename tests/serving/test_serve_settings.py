@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from conftest import REPO, hf_greedy, run_python
+from conftest import REPO, engine_slots, hf_greedy, run_python
 
 SERVE_CHECK = str(REPO / "tools" / "serve_check.py")
 MAX_TOKENS = 16
@@ -45,7 +45,8 @@ def test_a_server_with_every_setting_malformed_warns_once_each_and_serves(dspark
     target, draft = dspark_pair
     args = [SERVE_CHECK, str(target), "--dspark", str(draft), "--max-tokens", str(MAX_TOKENS)]
     args += ["--kv-cache-gib", "0.5"]
-    result = run_python(args, pythonpath=[REPO], env=BAD_SETTINGS, timeout=900)
+    with engine_slots():
+        result = run_python(args, pythonpath=[REPO], env=BAD_SETTINGS, timeout=900)
     log = result.stdout + result.stderr
     [line] = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
     served = json.loads(line.removeprefix("RESULT "))

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from conftest import DSPARK_DRAFT_DIR, DSPARK_TARGET_DIR, REPO, run_python
+from conftest import DSPARK_DRAFT_DIR, DSPARK_TARGET_DIR, REPO, engine_slots, run_python
 
 pytestmark = pytest.mark.e2e
 
@@ -27,7 +27,8 @@ def soak(dspark_pair, tmp_path_factory) -> dict:
     args = [str(REPO / "tools" / "soak.py"), str(DSPARK_TARGET_DIR)]
     args += ["--draft", str(DSPARK_DRAFT_DIR), "--servers", ",".join(SERVERS)]
     args += ["--requests", "40", "--clients", "8", "--kv-blocks", "3", "--out", str(out)]
-    run = run_python(args, check=False, timeout=900)
+    with engine_slots(2):  # its servers run two at a time
+        run = run_python(args, check=False, timeout=900)
     assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     return {"returncode": run.returncode, "stdout": run.stdout, **json.loads(out.read_text())}
 
