@@ -75,11 +75,7 @@ def _warn_text(message: str) -> None:
 
 
 def _warn(what: str, exc: BaseException) -> None:
-    import logging
-
-    logging.getLogger("vllm_v4_patches").warning(
-        "vllm_v4_patches: %s failed: %s: %s", what, type(exc).__name__, exc
-    )
+    _warn_text(f"{what} failed: {type(exc).__name__}: {exc}")
 
 
 try:

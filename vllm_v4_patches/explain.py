@@ -61,7 +61,13 @@ def _field(name: str, text: str) -> str:
 
 
 def _target_line(target: Target) -> str:
-    notes = [
+    notes = _target_notes(target)
+    return f"{target}" + (f"  [{'; '.join(notes)}]" if notes else "")
+
+
+def _target_notes(target: Target) -> list[str]:
+    """What a target's record says beyond its name: runner, releases, sharing."""
+    return [
         note
         for note in (
             target.runner and f"{target.runner} runner",
@@ -71,7 +77,6 @@ def _target_line(target: Target) -> str:
         )
         if note
     ]
-    return f"{target}" + (f"  [{'; '.join(notes)}]" if notes else "")
 
 
 def matrix_runs(record: PatchRecord) -> list[str]:
@@ -126,7 +131,9 @@ def patch_page(patch_id: str) -> str:
     lines += ["", "## Upstream", ""]
     lines += [f"- {entry}" for entry in record.upstream] or ["None found."]
     lines += ["", "## Removal plan", "", _wrap(record.removal_plan), "", "## Targets", ""]
-    lines += [f"- `{target}`" + _target_notes(target) for target in record.targets]
+    for target in record.targets:
+        notes = _target_notes(target)
+        lines.append(f"- `{target}`" + (f": {'; '.join(notes)}" if notes else ""))
     lines += ["", "## Matrix (probe verdicts on each release's source)", ""]
     lines += [f"- {line}" for line in matrix_runs(record)]
     return "\n".join(lines) + "\n"
@@ -134,11 +141,6 @@ def patch_page(patch_id: str) -> str:
 
 def _wrap(text: str) -> str:
     return textwrap.fill(text, WIDTH, break_on_hyphens=False, break_long_words=False)
-
-
-def _target_notes(target: Target) -> str:
-    line = _target_line(target)
-    return line[len(str(target)) :].replace("  [", ": ").removesuffix("]")
 
 
 def write_docs(readme: Path = README, pages: Path = PATCH_PAGES) -> None:

@@ -61,16 +61,13 @@ def _check_stand_in_request(kwargs: dict) -> None:
 
 def _mark_dspark_draft(hf_config: Any) -> None:
     """Check the draft is one the overlay's class runs, and mark it as DSpark."""
-    from vllm_v4_patches.dspark.checkpoint import draft_spec
-
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not set(architectures) & set(DSPARK_ARCHITECTURES):
         raise ValueError(
             f"speculative_config.model: architectures={architectures} is not a DSpark draft "
             f"this vLLM can run; accepted: {DSPARK_ARCHITECTURE}"
         )
-    draft_spec(hf_config)  # a malformed key fails here, in one line naming it
-    expose_keys_to_dflash(hf_config)
+    expose_keys_to_dflash(hf_config)  # reads the spec: a malformed key fails in one line
     setattr(hf_config, DRAFT_METHOD_MARK, "dspark")
 
 
