@@ -9,7 +9,8 @@ to ``docs/gpu-runs/<date>/`` and its checks are evaluated again with the suite's
 current checks from what the run saved (outputs, logs, status files), so a check
 that was corrected later reads the same evidence anew; a check the run cannot
 answer again keeps its recorded verdict. A later run's verdict on a check replaces
-an earlier one; a check a later run did not run keeps the earlier verdict.
+an earlier one; a check a later run did not run keeps the earlier verdict, and one
+a later run shows the release cannot answer (no JIT monitor) loses it.
 ``vllm_v4_patches/gpu_results.json`` holds the merge: per release, the GPU, torch,
 each check with pass/fail, its figure and its date, and the throughput figures.
 """
@@ -120,7 +121,9 @@ def merge(results: dict, kept_run: Path) -> None:
     recorded = {row["check"]: row for row in run["checks"] if row["check"] in CHECKS}
     recorded.update({row["check"]: row for row in evaluate(outcomes_of(run, logs_of(kept_run)))})
     for name, row in recorded.items():
-        if row["passed"] is not None:
+        if row.get("applies") is False:
+            entry["checks"].pop(name, None)
+        elif row["passed"] is not None:
             entry["checks"][name] = {
                 "passed": row["passed"],
                 "figure": row["figure"],

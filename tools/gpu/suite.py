@@ -414,6 +414,10 @@ class NotRun(Exception):
     pass
 
 
+class NotApplicable(Exception):
+    """The release cannot answer this check: a verdict recorded earlier is void."""
+
+
 class NotSaved(Exception):
     """A recorded run lacks what this check reads; its recorded verdict stands."""
 
@@ -583,7 +587,7 @@ def no_jit_after_start(*jobs: str) -> Check:
         for job in jobs:
             result_of(outcomes, job)
             if "JIT monitor activated" not in outcomes[job].log:
-                raise NotRun("this vLLM has no JIT monitor to ask")
+                raise NotApplicable("this vLLM has no JIT monitor to ask")
             names |= set(JIT_LINE.findall(outcomes[job].log))
         return not names, f"JIT compilations during inference: {sorted(names) or 'none'}"
 
@@ -853,6 +857,9 @@ def evaluate(outcomes: dict[str, Outcome]) -> list[dict]:
             continue
         except NotRun as exc:
             passed, figure = None, str(exc)
+        except NotApplicable as exc:
+            rows.append({"check": name, "passed": None, "figure": str(exc), "applies": False})
+            continue
         except Missing as exc:
             passed, figure = False, str(exc)
         except Exception as exc:
