@@ -1,10 +1,12 @@
 """Patch ``flex_graphs``: no multi-token full CUDA graphs for FlexAttention where
-its persistent metadata is re-strided at every step (vLLM 0.20.x)."""
+its persistent metadata is re-strided at every step, and a Dynamo recompile limit
+that speculative batch shapes fit in (vLLM 0.20.x)."""
 
 from __future__ import annotations
 
 import ast
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_v4_patches.registry import PatchRecord, ProbeResult, Target
@@ -19,6 +21,11 @@ SUPPORT = "get_cudagraph_support"
 COPY = "copy_to_persistent"
 # what the builder answers instead of ALWAYS: full graphs only for one-token decode
 CAPPED = "UNIFORM_SINGLE_TOKEN_DECODE"
+RECOMPILE_LIMIT = "torch._dynamo.config.recompile_limit"
+# compiled variants of flex_attention a speculative engine may need: two dispatch-key
+# sets of the metadata's tensors (target and drafter) times the size classes Dynamo
+# specialises (1, 2-127, 128 and more query tokens; one block or several)
+RECOMPILE_BUDGET = 64
 
 RECORD = PatchRecord(
     id="flex_graphs",
@@ -35,7 +42,12 @@ RECORD = PatchRecord(
         "DSpark die with an illegal memory access in the target's full-graph replay "
         "once a speculative batch shrinks, with FULL_AND_PIECEWISE and with "
         "FULL_DECODE_ONLY; with piecewise graphs only, both give greedy output equal "
-        "to no speculation."
+        "to no speculation. The same module sets Dynamo's recompile limit to 16, and "
+        "its compiled flex_attention recompiles per shape class and per dispatch-key "
+        "set of the metadata's tensors, which differ between the target's and the "
+        "drafter's calls: vLLM's own DFlash needed 13 recompiles for batches of 1, 16 "
+        "and 64, and DSpark's warm-up over every batch size stops the engine at the "
+        "limit (FailOnRecompileLimitHit)."
     ),
     how=(
         "Wrap FlexAttentionMetadataBuilder.get_cudagraph_support: where it answers "
@@ -45,7 +57,10 @@ RECORD = PatchRecord(
         "graphs (piecewise graphs, or none where attention is not split out), "
         "logging its own warning. Other backends, and full graphs of one-token "
         "decode batches, are left as they are: the fault was seen with "
-        "speculative batches, and one-token full graphs were not measured."
+        "speculative batches, and one-token full graphs were not measured. Once the "
+        "module is imported, raise torch._dynamo.config.recompile_limit to 64 where it "
+        "is lower (revert restores it): more variants compile, none computes "
+        "differently."
     ),
     upstream=(
         "vLLM 0.21.0: copy_to_persistent writes into a slice of the persistent "
@@ -105,7 +120,24 @@ def _declared_support(builder: ast.ClassDef) -> str | None:
 
 def apply(patcher: Patcher, found: ProbeResult) -> str:
     how = patcher.wrap_when_imported(MODULE, BUILDER, SUPPORT, capped_support)
-    return f"{how} {BUILDER}.{SUPPORT}"
+    raised = patcher.register_when_imported(MODULE, RECOMPILE_LIMIT, raise_recompile_limit)
+    return f"{how} {BUILDER}.{SUPPORT}; {raised} {RECOMPILE_LIMIT} >= {RECOMPILE_BUDGET}"
+
+
+def raise_recompile_limit(module: Any) -> Callable[[], None]:
+    """Raise Dynamo's limit after the module set its own; the undo restores it."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    config.recompile_limit = max(before, RECOMPILE_BUDGET)
+    ours = config.recompile_limit
+
+    def undo() -> None:
+        if config.recompile_limit == ours:  # not if something set it since
+            config.recompile_limit = before
+
+    return undo
 
 
 def capped_support(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
