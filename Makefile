@@ -65,7 +65,7 @@ bench: venv model
 SOAK_REQUESTS ?= 2000
 soak: venv model
 	$(PY) tools/soak.py .cache/models/tiny-qwen3 --draft $(DSPARK_DRAFT) \
-		--servers plain,patches,dspark,dspark-sampled --requests $(SOAK_REQUESTS) \
+		--servers plain,patches,dspark,dspark-async,dspark-sampled --requests $(SOAK_REQUESTS) \
 		--clients 16 --kv-blocks 3 --out .cache/soak.json
 
 # wheels of one stock vLLM release for the lent H200, in carryable chunks (docs/testing.md)

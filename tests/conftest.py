@@ -115,10 +115,12 @@ def run_python(
     return result
 
 
-def error_lines(result: subprocess.CompletedProcess, limit: int = 40) -> str:
-    """The lines naming an error, from anywhere in the output: a child process's root
-    cause (an engine core's) is often far above the tails the message keeps."""
-    lines = (result.stdout + result.stderr).splitlines()
+def error_lines(result: subprocess.CompletedProcess | str, limit: int = 40) -> str:
+    """The lines naming an error, from anywhere in a process's output (or a log): a
+    child process's root cause (an engine core's) is often far above the tails the
+    message keeps."""
+    text = result if isinstance(result, str) else result.stdout + result.stderr
+    lines = text.splitlines()
     marked = [x for x in lines if " ERROR " in x or "Error:" in x or "Exception:" in x]
     return "\n".join(marked[:limit])
 

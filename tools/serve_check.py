@@ -12,7 +12,7 @@ request, and vLLM's speculative counters from ``/metrics``. ``--kill-engine``
 instead kills the engine core (``kill -9``) under four streamed requests and
 reports what the front end does. The server is stopped
 with SIGINT and its log is printed before the RESULT line; a server that exits
-during start-up gives ``{"start_failed": ...}``.
+during start-up gives ``{"start_failed": ...}`` and exit status 3.
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
         spec = {"method": "dspark", "model": args.dspark, "num_speculative_tokens": 4}
         command += ["--speculative-config", json.dumps(spec)]
     return command
+
+
+START_FAILED = 3  # exit status: the server did not come up
 
 
 def wait_healthy(base: str, server: subprocess.Popen) -> None:
@@ -236,6 +239,8 @@ def main() -> None:
         log.seek(0)
         print(log.read())
     print("RESULT " + json.dumps(result))
+    # a caller retrying vLLM's start-up port race (EADDRINUSE) reads the exit status
+    sys.exit(START_FAILED if "start_failed" in result else 0)
 
 
 if __name__ == "__main__":

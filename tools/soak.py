@@ -9,22 +9,28 @@ free loopback port, one after the other, then sends every server the same seeded
 requests from ``--clients`` threads with the official ``openai`` client:
 completions and chat completions, streamed and not, greedy and seeded sampling at
 mixed temperatures, ``n = 2``, ``logprobs``, stop strings, ``max_tokens`` left to
-reach ``max_model_len``, a shared prefix (prefix-cache hits), long prompts
-(chunked prefill, 64 tokens per step) and clients that hang up mid-stream. A small
+reach ``max_model_len``, JSON-schema structured output, a shared prefix
+(prefix-cache hits), long prompts (chunked prefill, 64 tokens per step) and clients
+that hang up mid-stream. A small
 KV cache (``--kv-blocks``) makes the scheduler preempt. Afterwards each server
 serves the seeded sampled requests twice more, one at a time, and the shared-prefix
 requests once more, one at a time (the prefix-cache hit rate counts every pass).
 
 Servers: ``plain`` (no overlay; on the CPU backend the overlay with only
 ``cpu_seed`` on, see ``cpu_seed_only``), ``patches`` (the overlay, no speculation),
-``dspark`` (the overlay, greedy DSpark drafts, N = 4), ``dspark-probabilistic``
+``dspark`` (the overlay, greedy DSpark drafts, N = 4), ``dspark-async`` (the same
+with async scheduling forced on: vLLM's CPU platform turns it off, so on the CPU
+backend ``tools/cpu_async_plugin`` keeps it on), ``dspark-probabilistic``
 (probabilistic drafts) and ``dspark-sampled`` (probabilistic drafts and
 confidence-scheduled verification with a fixed cost model).
 
 Checked (exit status 1 and a FAIL line for each broken invariant):
 
-* every request gets a response or a clean HTTP error; ``lost`` (timeouts,
-  dropped connections) must be 0;
+* every request gets a response or a clean HTTP error within its deadline
+  (``DEADLINE_S``, the client's timeout); ``lost`` (timeouts, dropped connections)
+  must be 0, and the slowest answer is reported against the deadline;
+* every structured-output response opens a JSON object (the grammar was applied);
+* a server that asked for async scheduling ran with it;
 * greedy responses equal the plain server's, byte for byte;
 * seeded sampled responses repeat exactly: each seeded request is served twice
   more, one at a time (the concurrent pass's batches vary with thread timing, and
@@ -41,6 +47,7 @@ the prefix-cache hit rate, preemptions, memory by quarter, and the failures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -60,6 +67,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from serve_check import free_port, server_metrics, wait_healthy  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+ASYNC_PLUGIN = REPO / "tools" / "cpu_async_plugin"
+ASYNC_KEPT = "vllm_v4_cpu_async: async scheduling kept on"
+PORT_RACE = "EADDRINUSE"
 MAX_MODEL_LEN = 256
 DEADLINE_S = 120  # per request: a request without an answer by then is lost
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
@@ -72,6 +82,14 @@ SHARED = (
     'dict.\n"""\n\nimport json\nimport os\nimport sys\nfrom pathlib import Path\n\n'
     "DEFAULTS = {'encoding': 'utf-8', 'strict': True}\n\n\ndef load_"
 )
+# bounded: every value from a closed set, so a reply ends within a few dozen tokens
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"format": {"enum": ["yaml", "ini", "toml"]}, "strict": {"type": "boolean"}},
+    "required": ["format", "strict"],
+    "additionalProperties": False,
+}
+STRUCTURED_TOKENS = 64
 LONG = "\n".join(
     f"def handler_{i}(request, context):\n    return request.get({i})" for i in range(9)
 )
@@ -90,6 +108,7 @@ class Request:
     stop: tuple[str, ...] | None
     stream: bool
     hang_up_after: int | None  # chunks read before the client disconnects
+    json_schema: bool = False  # structured output: the reply follows JSON_SCHEMA
 
     @property
     def greedy(self) -> bool:
@@ -123,8 +142,11 @@ def workload(count: int, seed: int = 0) -> list[Request]:
                 stop=("\n\n",) if shape == 2 else None,
                 stream=stream,
                 hang_up_after=2 if shape == 1 and index % 20 == 1 else None,
+                json_schema=shape == 0 and index % 20 == 10,
             )
         )
+        if requests[-1].json_schema:  # room for the whole object
+            requests[-1] = dataclasses.replace(requests[-1], max_tokens=STRUCTURED_TOKENS)
     return requests
 
 
@@ -136,6 +158,7 @@ class Kind:
     overlay: bool
     speculative: dict | None = None
     env: tuple[tuple[str, str], ...] = ()
+    async_scheduling: bool = False  # asked for explicitly (--async-scheduling)
 
 
 DSPARK = {"method": "dspark", "num_speculative_tokens": 4}
@@ -144,6 +167,7 @@ SERVERS = {
     "plain": Kind(False),  # see cpu_seed_only(): on the CPU backend, one fix
     "patches": Kind(True),
     "dspark": Kind(True, DSPARK),
+    "dspark-async": Kind(True, DSPARK, async_scheduling=True),
     "dspark-probabilistic": Kind(True, PROBABILISTIC),
     "dspark-sampled": Kind(
         True,
@@ -172,6 +196,10 @@ class Server:
             command += ["--speculative-config", json.dumps(spec)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_V4_")}
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO)]
+        if kind.async_scheduling:
+            command += ["--async-scheduling"]
+            if cpu_backend():
+                paths.append(str(ASYNC_PLUGIN))
         env["PYTHONPATH"] = os.pathsep.join(([str(REPO)] if kind.overlay else []) + paths)
         env.update(kind.env)
         if name == "plain" and cpu_backend():
@@ -214,6 +242,19 @@ class Server:
                 self.process.wait()
         self.log.seek(0)
         return self.log.read()
+
+
+def started(server: Server) -> bool:
+    """Whether the server came up; False where it lost vLLM's start-up port race
+    (torch.distributed's port is found free, released, then bound: two engines
+    starting at once can pick the same one), which deserves one more try."""
+    try:
+        wait_healthy(server.base, server.process)
+    except RuntimeError:
+        if PORT_RACE in server.stop():
+            return False
+        raise
+    return True
 
 
 def cpu_backend() -> bool:
@@ -272,6 +313,8 @@ def _call(client, request: Request) -> dict:  # noqa: ANN001
         common["stop"] = list(request.stop)
     if request.stream:
         common["stream_options"] = {"include_usage": True}
+    if request.json_schema:
+        common["extra_body"] = {"structured_outputs": {"json": JSON_SCHEMA}}
     if request.api == "chat":
         if request.logprobs:
             common.update(logprobs=True, top_logprobs=request.logprobs)
@@ -327,9 +370,17 @@ def drive(server: Server, requests: list[Request], clients: int) -> tuple[list[d
     return sorted(outcomes, key=lambda o: o["index"]), {"wall_s": wall, "rss_mib": memory}
 
 
-def summarize(outcomes: list[dict], timing: dict, metrics: dict[str, float]) -> dict:
+def summarize(
+    requests: list[Request], outcomes: list[dict], timing: dict, metrics: dict[str, float]
+) -> dict:
     errors = Counter(o["error"] for o in outcomes if o["error"])
     latencies = sorted(o["latency_s"] for o in outcomes if o["texts"] is not None)
+    structured = [
+        text
+        for request, outcome in zip(requests, outcomes, strict=True)
+        if request.json_schema and outcome["texts"]
+        for text in outcome["texts"]
+    ]
     tokens = sum(o["tokens"] for o in outcomes)
     queries = metrics.get("vllm:prefix_cache_queries", 0.0)
     return {
@@ -343,6 +394,12 @@ def summarize(outcomes: list[dict], timing: dict, metrics: dict[str, float]) -> 
             if latencies
             else None
         ),
+        "max_latency_s": round(latencies[-1], 3) if latencies else None,
+        "deadline_s": DEADLINE_S,
+        "structured": len(structured),
+        "structured_opening_an_object": sum(t.lstrip().startswith("{") for t in structured),
+        "structured_valid_json": sum(follows_schema(t) for t in structured),
+        "structured_sample": structured[:2],
         "tokens_per_s": round(tokens / timing["wall_s"], 1),
         "wall_s": round(timing["wall_s"], 1),
         "prefix_cache_hit_rate": (
@@ -354,6 +411,22 @@ def summarize(outcomes: list[dict], timing: dict, metrics: dict[str, float]) -> 
     }
 
 
+def follows_schema(text: str) -> bool:
+    """Whether a structured reply is a whole JSON object of JSON_SCHEMA (a reply cut
+    at ``max_tokens`` is not)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    properties = JSON_SCHEMA["properties"]
+    return (
+        isinstance(value, dict)
+        and set(value) == set(properties)
+        and value["format"] in properties["format"]["enum"]
+        and isinstance(value["strict"], bool)
+    )
+
+
 def invariants(requests: list[Request], runs: dict[str, dict]) -> list[str]:
     failures = []
     plain = runs.get("plain")
@@ -363,6 +436,10 @@ def invariants(requests: list[Request], runs: dict[str, dict]) -> list[str]:
             failures.append(f"{name}: {summary['lost']} requests lost")
         if not run["healthy_after"]:
             failures.append(f"{name}: /health failed after the soak")
+        if summary["structured_opening_an_object"] != summary["structured"]:
+            failures.append(f"{name}: a structured-output reply does not open a JSON object")
+        if SERVERS[name].async_scheduling and not run["async_scheduling"]:
+            failures.append(f"{name}: asked for async scheduling, ran without it")
         first, second = run["alone"]
         seeded = [(r, a, b) for r, a, b in zip(requests, first, second, strict=True) if a]
         differing = [r.index for r, a, b in seeded if a["texts"] != b["texts"]]
@@ -414,7 +491,9 @@ def main() -> None:
         # one at a time: each engine core's start-up takes the cores it can get
         for name in names:
             servers.append(Server(name, args.target, args.draft, args.kv_blocks))
-            wait_healthy(servers[-1].base, servers[-1].process)
+            if not started(servers[-1]):
+                servers[-1] = Server(name, args.target, args.draft, args.kv_blocks)
+                wait_healthy(servers[-1].base, servers[-1].process)
         for server in servers:
             outcomes, timing = drive(server, requests, args.clients)
             # one at a time, twice: a batch of one each time, so float noise from
@@ -429,7 +508,7 @@ def main() -> None:
                 "outcomes": outcomes,
                 "alone": [[passed.get(r.index) for r in requests] for passed in alone],
                 "healthy_after": server.healthy(),
-                "summary": summarize(outcomes, timing, server_metrics(server.base)),
+                "summary": summarize(requests, outcomes, timing, server_metrics(server.base)),
             }
     except Exception:
         for server in servers:
@@ -439,6 +518,11 @@ def main() -> None:
     finally:
         for server in servers:
             logs[server.name] = server.stop()
+    for name, run in runs.items():
+        # on a GPU the engine keeps what was asked; on the CPU backend the plugin says so
+        asked = SERVERS[name].async_scheduling
+        run["async_scheduling"] = asked and (not cpu_backend() or ASYNC_KEPT in logs[name])
+        run["summary"]["async_scheduling"] = run["async_scheduling"]
     failures = invariants(requests, runs)
     base = runs.get("plain", {}).get("summary", {}).get("tokens_per_s")
     for run in runs.values():

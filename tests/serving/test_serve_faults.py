@@ -17,6 +17,7 @@ from vllm_builds import INSTALLED
 from conftest import (
     REPO,
     engine_slots,
+    error_lines,
     hf_greedy,
     matrix_outcomes,
     read_status_files,
@@ -54,7 +55,7 @@ def test_a_failing_patch_is_reported_and_the_server_serves_with_the_others(dspar
     embedding serves them)."""
     target, draft = dspark_pair
     served, log = serve_with_failing_apply(target, draft, tmp_path / "status")
-    assert served.get("served_after_abort"), log[-3000:]
+    assert served.get("served_after_abort"), error_lines(log) + log[-3000:]
     documents = read_status_files(tmp_path / "status")
     expected = matrix_outcomes(INSTALLED)
     failed = []
@@ -99,7 +100,9 @@ def kill_engine_run(target, draft=None, *, overlay: bool) -> dict:
         result = run_python(args, pythonpath=[REPO] if overlay else [], check=False, timeout=600)
     lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
     assert lines, (result.stdout + result.stderr)[-3000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    run = json.loads(lines[-1].removeprefix("RESULT "))
+    assert "start_failed" not in run, error_lines(result) + result.stdout[-3000:]
+    return run
 
 
 def test_an_engine_core_killed_under_load_ends_as_in_stock_vllm(dspark_pair):
