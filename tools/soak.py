@@ -296,6 +296,8 @@ def send(client, request: Request) -> dict:  # noqa: ANN001
         outcome["error"] = f"http {exc.status_code}"
     except (openai.APITimeoutError, openai.APIConnectionError) as exc:
         outcome["error"] = f"lost: {type(exc).__name__}"
+        # the transport's own words (a reset, a refused or a dropped connection)
+        outcome["detail"] = repr(exc.__cause__ or exc)[:200]
     except openai.APIError as exc:  # an error event inside a stream: a clean error
         outcome["error"] = f"stream error: {str(exc)[:80]}"
     outcome["latency_s"] = time.perf_counter() - started
@@ -390,6 +392,7 @@ def summarize(
         "requests": len(outcomes),
         "served": sum(o["texts"] is not None for o in outcomes),
         "lost": sum(v for k, v in errors.items() if k.startswith("lost")),
+        "lost_details": dict(Counter(o["detail"] for o in outcomes if o.get("detail"))),
         "errors": dict(errors),
         "p50_s": round(statistics.median(latencies), 3) if latencies else None,
         "p99_s": (
