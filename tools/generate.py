@@ -34,20 +34,15 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
 def force_async_scheduling() -> None:
-    """Keep async scheduling on: vLLM's CPU platform turns it off unconditionally."""
-    import wrapt
+    """Keep async scheduling on: vLLM's CPU platform turns it off unconditionally
+    (the soak's test-only plugin, installed in this process)."""
+    import sys
+    from pathlib import Path
 
-    def keep_requested(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
-        vllm_config = args[0] if args else kwargs["vllm_config"]
-        requested = vllm_config.scheduler_config.async_scheduling
-        result = wrapped(*args, **kwargs)
-        if requested:
-            vllm_config.scheduler_config.async_scheduling = True
-        return result
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "cpu_async_plugin"))
+    from vllm_v4_cpu_async import register
 
-    wrapt.wrap_function_wrapper(
-        "vllm.platforms.cpu", "CpuPlatform.check_and_update_config", keep_requested
-    )
+    register()
 
 
 def generate(
