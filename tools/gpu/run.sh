@@ -3,6 +3,7 @@
 #   tools/gpu/run.sh receive VERSION        keep the chunk(s) this call carried
 #   tools/gpu/run.sh install VERSION        install the release (once) under /tmp/gpu-site
 #   tools/gpu/run.sh suite VERSION [ARGS]   install the release (once), run the suite
+#   tools/gpu/run.sh python VERSION ARGS    install the release (once), run python3 ARGS
 # A call carries one chunk of .cache/gpu-stage/VERSION (made by tools/gpu/stage.py);
 # /tmp lasts while the machine stays warm, so the chunks gather there call by call.
 set -euo pipefail
@@ -46,6 +47,13 @@ PY
   touch "$site/.complete"
 }
 
+# the release's folder, and the CUTLASS DSL's own package folder: its wheel adds that
+# through a .pth file, which only a real site directory reads (pip --target is not one)
+site_path() {
+  local dsl=$site/nvidia_cutlass_dsl/dsl_packages
+  if [ -d "$dsl" ]; then echo "$site:$dsl"; else echo "$site"; fi
+}
+
 case $command in
   receive) receive ;;
   install)
@@ -55,7 +63,12 @@ case $command in
   suite)
     receive
     install
-    VLLM_GPU_SITE=$site PYTHONPATH=$site python3 tools/gpu/suite.py "${OUT:-/tmp/gpu-out}" "$@"
+    VLLM_GPU_SITE=$site PYTHONPATH=$(site_path) python3 tools/gpu/suite.py "${OUT:-/tmp/gpu-out}" "$@"
     ;;
-  *) echo "usage: tools/gpu/run.sh receive|install|suite VERSION [suite args]" >&2; exit 2 ;;
+  python)
+    receive
+    install
+    VLLM_GPU_SITE=$site PYTHONPATH=$(site_path) python3 "$@"
+    ;;
+  *) echo "usage: tools/gpu/run.sh receive|install|suite|python VERSION [args]" >&2; exit 2 ;;
 esac
