@@ -65,6 +65,7 @@ def generate(
     dflash: str | None = None,
     stagger: int = 0,
     cudagraph_mode: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> dict:
     from vllm import SamplingParams
     from vllm.platforms import current_platform
@@ -93,6 +94,7 @@ def generate(
         speculative_config=speculative,
         async_scheduling=async_scheduling,
         **({"compilation_config": {"cudagraph_mode": cudagraph_mode}} if cudagraph_mode else {}),
+        **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}),
         disable_log_stats=False,
     )
     ready = time.perf_counter()
@@ -324,6 +326,7 @@ def main() -> None:
         help="request i asks for this many times i fewer tokens (the batch shrinks)",
     )
     parser.add_argument("--cudagraph-mode", help="vLLM's cudagraph_mode, e.g. PIECEWISE")
+    parser.add_argument("--kv-cache-dtype", help="vLLM's kv_cache_dtype (DeepSeek-V4: fp8)")
     args = parser.parse_args()
     if args.plan:
         with open(args.plan) as handle:
@@ -350,6 +353,7 @@ def main() -> None:
         dflash=args.dflash,
         stagger=args.stagger,
         cudagraph_mode=args.cudagraph_mode,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     print("RESULT " + json.dumps(result))
 

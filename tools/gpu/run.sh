@@ -63,12 +63,12 @@ case $command in
   suite)
     receive
     install
-    VLLM_GPU_SITE=$site PYTHONPATH=$(site_path) python3 tools/gpu/suite.py "${OUT:-/tmp/gpu-out}" "$@"
+    VLLM_GPU_SITE=$(site_path) PYTHONPATH=$(site_path) python3 tools/gpu/suite.py "${OUT:-/tmp/gpu-out}" "$@"
     ;;
   python)
     receive
     install
-    VLLM_GPU_SITE=$site PYTHONPATH=$(site_path) python3 "$@"
+    VLLM_GPU_SITE=$(site_path) PYTHONPATH=$(site_path) python3 "$@"
     ;;
   *) echo "usage: tools/gpu/run.sh receive|install|suite|python VERSION [args]" >&2; exit 2 ;;
 esac

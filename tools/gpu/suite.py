@@ -39,6 +39,9 @@ LLAMA, QWEN3, DRAFT = (MODELS / n for n in ("tiny-llama", "tiny-qwen3", "tiny-qw
 DFLASH_DRAFT = MODELS / "tiny-qwen3-dflash"  # the DSpark draft as a DFlash draft, made here
 # the tiny Llama served by an out-of-tree class with nothing compiled, made here
 PLAIN_LLAMA = MODELS / "tiny-llama-plain"
+# the shrunken DeepSeek-V4-Flash with its three DSpark stages, built here
+# (tools/build_tiny_v4.py; 1.5 GiB, more than a call carries)
+TINY_V4 = MODELS / "tiny-v4"
 PLAIN_PLUGIN = REPO / "tools" / "plain_model_plugin"
 STAGING_PLUGIN = REPO / "tools" / "staging_probe_plugin"
 # the GPU sleep the staging probe enqueues before each drafter copy: a target step
@@ -81,7 +84,9 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     min_version: str = "0"
     below_version: str = "99"  # diagnostics for one release line
-    part: str = "core"  # "extra": run by a second call (one call is at most 10 minutes)
+    # "extra": run by a second call (one call is at most 10 minutes); "v4": only when
+    # asked for, on a release staged with DeepSeek-V4's kernels (stage.py --v4)
+    part: str = "core"
     timeout: float = 480
     alone: bool = False  # a timing job: runs after the others, with the GPU to itself
     plugins: tuple[str, ...] = ()  # folders put on the job's PYTHONPATH (vLLM plugins)
@@ -98,9 +103,28 @@ class Outcome:
 
 def jobs() -> list[Job]:
     dspark = ["--dspark", str(DRAFT), "--spec-tokens", "4"]
-    compiled_llama = [GENERATE, str(LLAMA), "--no-eager", "--dtype", "bfloat16", *TOKENS, *KV]
     compiled_qwen3 = [GENERATE, str(QWEN3), "--no-eager"]
     qwen3 = [*compiled_qwen3, *TOKENS, *KV]
+    return [*v4_jobs(), *dense_jobs(dspark, qwen3, compiled_qwen3)]
+
+
+def v4_jobs() -> list[Job]:
+    """The shrunken DeepSeek-V4 (real widths, real checkpoint format), bfloat16 with
+    its fp8 attention and fp4 experts, eager and compiled, on the V1 runner; and with
+    its own DSpark draft where stock vLLM has one (0.26.0: the V2 runner's)."""
+    # its attention layout (fp8_ds_mla) takes an fp8 KV cache only
+    v4 = [GENERATE, str(TINY_V4), "--dtype", "bfloat16", "--kv-cache-dtype", "fp8", *TOKENS, *KV]
+    in_checkpoint = ["--dspark", str(TINY_V4), "--spec-tokens", "5"]
+    return [
+        Job("v4-nospec-eager", v4, False, V1, part="v4"),
+        Job("v4-nospec", [*v4, "--no-eager"], False, V1, part="v4"),
+        Job("v4-dspark-stock", [*v4, *in_checkpoint], False, min_version="0.26", part="v4"),
+        Job("v4-dspark-overlay-v1", [*v4, *in_checkpoint], True, V1, part="v4"),
+    ]
+
+
+def dense_jobs(dspark: list[str], qwen3: list[str], compiled_qwen3: list[str]) -> list[Job]:
+    compiled_llama = [GENERATE, str(LLAMA), "--no-eager", "--dtype", "bfloat16", *TOKENS, *KV]
     # a drafting method vLLM runs under async scheduling on the GPU (ngram is refused)
     eagle = [GENERATE, str(LLAMA), "--eagle", str(MODELS / "tiny-llama-eagle"), *TOKENS, *KV]
     inspect = [INSPECT, str(LLAMA), "--dtype", "bfloat16", *KV]
@@ -775,6 +799,16 @@ CHECKS: dict[str, Check] = {
         "serve-plain", "serve-dspark"
     ),
     "serve: roles and summary lines": roles_and_summaries("serve-dspark"),
+    "v4: no speculation, eager, completes": completes("v4-nospec-eager"),
+    "v4: no speculation, compiled with CUDA graphs, equals eager": same_tokens(
+        "v4-nospec-eager", "v4-nospec"
+    ),
+    "v4: stock DSpark (in-checkpoint draft) equals no speculation": same_tokens(
+        "v4-nospec", "v4-dspark-stock"
+    ),
+    "v4: DSpark through the overlay on the V1 runner equals no speculation": same_tokens(
+        "v4-nospec", "v4-dspark-overlay-v1"
+    ),
     "dp_dummy/flashinfer: stock classed as prefill": dummy_batch_builder(
         "dp-dummy-flashinfer-stock", "FlashInferMetadataBuilder"
     ),
@@ -921,7 +955,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--jobs", type=int, default=6, help="engines at once on the GPU")
     parser.add_argument("--only", nargs="*", help="run only these jobs")
-    parser.add_argument("--part", choices=["core", "extra", "perf", "all"], default="all")
+    parser.add_argument("--part", choices=["core", "extra", "perf", "v4", "all"], default="all")
     parser.add_argument("--deadline", type=float, default=540, help="seconds for all jobs")
     args = parser.parse_args()
     facts = environment()
@@ -929,8 +963,12 @@ def main() -> None:
     chosen = [
         j
         for j in jobs_for(version)
-        if (not args.only or j.name in args.only) and args.part in ("all", j.part)
+        if (not args.only or j.name in args.only)
+        and (args.part == j.part or (args.part == "all" and j.part != "v4"))
     ]
+    if any(str(TINY_V4) in job.args for job in chosen) and not (TINY_V4 / "config.json").exists():
+        build = [sys.executable, str(REPO / "tools" / "build_tiny_v4.py"), str(TINY_V4)]
+        subprocess.run(build, check=True)
     if any(str(PLAIN_LLAMA) in job.args for job in chosen):
         write_plain_variant(LLAMA, PLAIN_LLAMA)
     if any(str(DFLASH_DRAFT) in job.args for job in chosen):
