@@ -140,21 +140,41 @@ def accept_dspark_on_v1(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     if UNSUPPORTED_ENTRY not in unsupported:
         return unsupported
     config, _, _ = split_receiver(instance, args)
-    validate_draft_checkpoint(config)
+    validate_draft_checkpoint(config, runner="V1")
     return [feature for feature in unsupported if feature != UNSUPPORTED_ENTRY]
 
 
-def validate_draft_checkpoint(vllm_config: Any) -> tuple[str, ...]:
-    """Check a dspark config's draft (once per draft config) and expose its keys to
-    vLLM's DFlash code; returns the keys the overlay added."""
+def validate_draft_checkpoint(vllm_config: Any, runner: str = "V2") -> tuple[str, ...]:
+    """Check a dspark config's draft (once per draft config) for the ``runner`` that
+    will draft it and expose its keys to vLLM's DFlash code; returns the keys the
+    overlay added."""
     speculative = vllm_config.speculative_config
     draft = getattr(speculative, "draft_model_config", None)
     if draft is not None and hasattr(draft.hf_config, EXPOSED_MARK):
         return getattr(draft.hf_config, EXPOSED_MARK)
     spec = validate_draft_paths(speculative.model, vllm_config.model_config.model)
     if spec is not None:
+        if runner == "V1":
+            refuse_in_checkpoint_draft_on_v1(spec.format, speculative.model)
         warn_past_block(speculative.num_speculative_tokens, spec.block_size, speculative.model)
     return expose_keys_to_dflash(draft.hf_config) if draft is not None else ()
+
+
+def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
+    """The V1 route drafts with DeepSpec-format drafts only. A DeepSeek-V4 target's
+    own DSpark stages need the target's mHC taps reduced, the draft's sliding-window
+    cache group and V4's sparse attention metadata, which it does not build: on the
+    H200 (vLLM 0.26.0) such an engine loaded vLLM's V4 draft on V1 and then died in
+    a DeepGEMM shape assertion during its profile run. One line instead."""
+    from vllm_v4_patches.dspark import checkpoint
+
+    if draft_format not in (checkpoint.FORMAT_DEEPSEEK_V4, checkpoint.FORMAT_DEEPSEEK_V41):
+        return
+    raise ValueError(
+        f"speculative_config.model={draft}: the DSpark stages inside a DeepSeek-V4 "
+        "checkpoint run on vLLM's V2 model runner only (vLLM >= 0.25); vllm_v4_patches "
+        "drafts DeepSpec-format DSpark drafts on V1 (unset VLLM_USE_V2_MODEL_RUNNER)"
+    )
 
 
 def warn_past_block(num_tokens: int | None, block_size: int, draft: str) -> bool:
@@ -225,7 +245,7 @@ def watch_runner_choice(
         if use_v2 and v1_fallback and _v2_cannot_run():
             use_v2 = False  # V2 would refuse to start; the overlay's V1 drafter runs DSpark
         if not use_v2:
-            validate_draft_checkpoint(config)
+            validate_draft_checkpoint(config, runner="V1")
             return False
         exposed = validate_draft_checkpoint(config) if v2_reads_dflash_config else ()
         if exposed:
