@@ -183,3 +183,31 @@ def test_the_owner_cuts_plans_counts_and_restarts():
     trimmed, scheduled_counts = lagged.cut_step(step, confidence, ["a", "b"], draft_step=2)
     assert scheduled_counts.get("b") == 4 and "b" not in trimmed.scheduled_spec_decode_tokens
     assert lagged.counts["scheduled"] == 16 and lagged.counts["verified"] < 16  # two cuts
+
+
+def test_seeded_requests_keep_every_draft():
+    """A seeded request's drafts are never cut, sync or async, while its unseeded
+    neighbour's plan is Algorithm 1's; without the seed the same request is cut
+    (the control), so the exemption is what keeps it whole."""
+    torch = pytest.importorskip("torch")
+    output_module = pytest.importorskip("vllm.v1.core.sched.output")
+    confidence = torch.tensor([[0.3, 0.9, 0.9, 0.9], [0.2, 0.9, 0.9, 0.9]])
+    drafts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    planned = verify.verify_lengths(confidence, verify.StepCostModel((1.0, 1.0)))
+    assert planned[0] < 4 and planned[1] < 4  # both would be cut
+    sync = verify.ScheduledVerification((1.0, 1.0), lagged=False)
+    cut = sync.cut_drafts(["a", "b"], drafts, confidence, seeded={"a"})
+    assert cut == [[1, 2, 3, 4], drafts[1][: planned[1]]]
+    assert sync.counts == {"scheduled": 8, "verified": 4 + planned[1]}
+
+    lagged = verify.ScheduledVerification((1.0, 1.0), lagged=True)
+    step = output_module.SchedulerOutput.make_empty()
+    step.num_scheduled_tokens = {"a": 5, "b": 5}
+    step.scheduled_spec_decode_tokens = {"a": [-1] * 4, "b": [-1] * 4}
+    step.total_num_scheduled_tokens = 10
+    lagged.cut_step(step, confidence, ["a", "b"], draft_step=1)
+    trimmed, _ = lagged.cut_step(step, confidence, ["a", "b"], draft_step=2, seeded={"a"})
+    assert trimmed.scheduled_spec_decode_tokens["a"] == [-1] * 4
+    assert len(trimmed.scheduled_spec_decode_tokens.get("b", [])) < 4
+    control, _ = lagged.cut_step(step, confidence, ["a", "b"], draft_step=3)
+    assert len(control.scheduled_spec_decode_tokens.get("a", [])) < 4

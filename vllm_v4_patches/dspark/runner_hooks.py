@@ -85,7 +85,7 @@ def run_engine_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     if drafter is None:
         return wrapped(*args, **kwargs)
     scheduler_output = call_args[0] if call_args else kwargs["scheduler_output"]
-    from vllm_v4_patches.dspark import warmup
+    from vllm_v4_patches.dspark import verify, warmup
 
     warmup.end_of_warmup(drafter, scheduler_output)
     verification = drafter.verification
@@ -98,6 +98,7 @@ def run_engine_step(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
             drafter.last_confidence,
             runner.input_batch.req_ids,
             drafter.draft_steps,
+            seeded=verify.seeded_requests(runner),
         )
         if call_args:
             args = (*receiver, scheduler_output, *call_args[1:])
@@ -121,8 +122,13 @@ def schedule_verification(wrapped: Any, instance: Any, args: tuple, kwargs: dict
     drafter = _dspark_drafter(runner)
     if drafts is None or drafter is None or drafter.verification is None:
         return drafts
+    from vllm_v4_patches.dspark import verify
+
     cut = drafter.verification.cut_drafts(
-        drafts.req_ids, drafts.draft_token_ids, drafter.last_confidence
+        drafts.req_ids,
+        drafts.draft_token_ids,
+        drafter.last_confidence,
+        seeded=verify.seeded_requests(runner),
     )
     return drafts if cut is None else type(drafts)(drafts.req_ids, cut)
 

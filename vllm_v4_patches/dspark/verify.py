@@ -26,6 +26,9 @@ request's lengths come from its confidences one draft step older
 confidences. Those were computed before the current draft was sampled, so the
 decision still never looks at it: lossless. A request with no older draft is
 scored as if every draft would survive.
+
+A request sampled with its own seed keeps every draft: the plan is made across the
+batch, so a cut would make its output depend on what it shares a batch with.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import logging
 import operator
 import os
 import time
+from collections.abc import Collection
 from typing import Any
 
 MODE_SETTING = "VLLM_V4_DSPARK_VERIFY"
@@ -272,25 +276,40 @@ class ScheduledVerification:
         self.counts = {"scheduled": 0, "verified": 0}  # where a cut was planned
 
     def cut_drafts(
-        self, req_ids: list[str], draft_token_ids: list[list[int]], confidence: Any
+        self,
+        req_ids: list[str],
+        draft_token_ids: list[list[int]],
+        confidence: Any,
+        seeded: Collection[str] = (),
     ) -> list[list[int]] | None:
         """Synchronous scheduling: each request's drafts cut to its admitted prefix
-        before the scheduler sees them, or None (verify them all)."""
+        before the scheduler sees them, or None (verify them all). ``seeded``
+        requests keep every draft (``keep_seeded_whole``)."""
         if self.lag is not None or confidence is None or confidence.shape[0] != len(req_ids):
             return None
         lengths = verify_lengths(confidence, self.cost)
         if lengths is None:
             return None  # no cost model yet
+        lengths = [
+            len(ids) if req_id in seeded else length
+            for req_id, ids, length in zip(req_ids, draft_token_ids, lengths, strict=True)
+        ]
         scheduled = sum(len(ids) for ids in draft_token_ids)
         self._record(dict(zip(req_ids, lengths, strict=True)), scheduled)
         return truncate(draft_token_ids, lengths)
 
     def cut_step(
-        self, scheduler_output: Any, confidence: Any, req_ids: list[str], draft_step: int
+        self,
+        scheduler_output: Any,
+        confidence: Any,
+        req_ids: list[str],
+        draft_step: int,
+        seeded: Collection[str] = (),
     ) -> tuple[Any, dict[str, int]]:
         """Async scheduling: keep the newest confidences, then cut this step's
         scheduled drafts to the lengths planned from the older ones; returns the
-        step's scheduler output and the scheduled draft count of every request cut."""
+        step's scheduler output and the scheduled draft count of every request cut.
+        ``seeded`` requests keep every draft (``keep_seeded_whole``)."""
         self.lag.capture(confidence, req_ids, draft_step)
         if confidence is None or laid_out_for_every_draft(scheduler_output):
             return scheduler_output, {}
@@ -302,6 +321,7 @@ class ScheduledVerification:
         lengths = lagged_verify_lengths(scheduled, self.lag.stale(), self.cost)
         if lengths is None:
             return scheduler_output, {}
+        lengths = keep_seeded_whole(lengths, scheduled, seeded)
         self._record(lengths, sum(scheduled.values()))
         return trim_scheduled_drafts(scheduler_output, lengths)
 
@@ -309,6 +329,29 @@ class ScheduledVerification:
         self.lengths = lengths
         self.counts["scheduled"] += scheduled
         self.counts["verified"] += sum(lengths.values())
+
+
+def keep_seeded_whole(
+    lengths: dict[str, int], scheduled: dict[str, int], seeded: Collection[str]
+) -> dict[str, int]:
+    """Every draft of a seeded request is verified. Algorithm 1 plans each request's
+    length from the whole batch, and a sampled request's random draws follow its
+    verified length, so a planned cut would make a seeded request's output depend on
+    its neighbours (the soak measured it); a full length depends on nothing else.
+    Verifying more drafts than planned keeps verification lossless."""
+    return {
+        req_id: scheduled[req_id] if req_id in seeded else length
+        for req_id, length in lengths.items()
+    }
+
+
+def seeded_requests(runner: Any) -> frozenset[str]:
+    """The runner's requests that sample with their own seed (a generator)."""
+    return frozenset(
+        req_id
+        for req_id, state in runner.requests.items()
+        if getattr(state, "generator", None) is not None
+    )
 
 
 def laid_out_for_every_draft(scheduler_output: Any) -> bool:
