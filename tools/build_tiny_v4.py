@@ -116,7 +116,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -330,32 +330,30 @@ class Tensors:
     def ones(self, name: str, size: int) -> None:
         self.add(name, "BF16", (size,), lambda: torch.ones(size, dtype=torch.bfloat16))
 
-    def fp8_linear(self, prefix: str, out_dim: int, in_dim: int) -> None:
-        """``prefix.weight`` F8_E4M3 [O, K] + ``prefix.scale`` F8_E8M0 per 128x128 block."""
+    def _quantized(
+        self, prefix: str, shape: tuple[int, int], quantize: Callable
+    ) -> Callable[[int], torch.Tensor]:
+        """``make(i)``: part ``i`` of ``quantize``'s (codes, scales) of the seeded
+        weight, quantised once when either part is first written."""
         made: list[torch.Tensor] = []
 
         def make(index: int) -> torch.Tensor:
             if not made:
-                shape = (out_dim, in_dim)
-                weight = self._scratch_normal(prefix + ".weight", shape, WEIGHT_STD)
-                made.extend(quantize_fp8_block(weight))
+                made.extend(quantize(self._scratch_normal(prefix + ".weight", shape, WEIGHT_STD)))
             return made[index]
 
+        return make
+
+    def fp8_linear(self, prefix: str, out_dim: int, in_dim: int) -> None:
+        """``prefix.weight`` F8_E4M3 [O, K] + ``prefix.scale`` F8_E8M0 per 128x128 block."""
+        make = self._quantized(prefix, (out_dim, in_dim), quantize_fp8_block)
         blocks = (-(-out_dim // FP8_BLOCK), -(-in_dim // FP8_BLOCK))
         self.add(prefix + ".weight", "F8_E4M3", (out_dim, in_dim), lambda: make(0))
         self.add(prefix + ".scale", "F8_E8M0", blocks, lambda: make(1))
 
     def fp4_linear(self, prefix: str, out_dim: int, in_dim: int) -> None:
         """``prefix.weight`` I8 [O, K/2] (packed e2m1) + ``prefix.scale`` F8_E8M0 [O, K/32]."""
-        made: list[torch.Tensor] = []
-
-        def make(index: int) -> torch.Tensor:
-            if not made:
-                shape = (out_dim, in_dim)
-                weight = self._scratch_normal(prefix + ".weight", shape, WEIGHT_STD)
-                made.extend(quantize_fp4_mx(weight))
-            return made[index]
-
+        make = self._quantized(prefix, (out_dim, in_dim), quantize_fp4_mx)
         self.add(prefix + ".weight", "I8", (out_dim, in_dim // 2), lambda: make(0))
         self.add(prefix + ".scale", "F8_E8M0", (out_dim, in_dim // FP4_BLOCK), lambda: make(1))
 

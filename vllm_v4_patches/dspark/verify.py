@@ -290,13 +290,10 @@ class ScheduledVerification:
         lengths = verify_lengths(confidence, self.cost)
         if lengths is None:
             return None  # no cost model yet
-        lengths = [
-            len(ids) if req_id in seeded else length
-            for req_id, ids, length in zip(req_ids, draft_token_ids, lengths, strict=True)
-        ]
-        scheduled = sum(len(ids) for ids in draft_token_ids)
-        self._record(dict(zip(req_ids, lengths, strict=True)), scheduled)
-        return truncate(draft_token_ids, lengths)
+        counts = {req_id: len(ids) for req_id, ids in zip(req_ids, draft_token_ids, strict=True)}
+        planned = keep_seeded_whole(dict(zip(req_ids, lengths, strict=True)), counts, seeded)
+        self._record(planned, sum(counts.values()))
+        return truncate(draft_token_ids, list(planned.values()))
 
     def cut_step(
         self,
