@@ -46,6 +46,7 @@ DSPARK_SETTINGS = (
     "VLLM_V4_DSPARK_VERIFY_COST",
     "VLLM_V4_DSPARK_MARKOV_KERNEL",
     "VLLM_V4_DSPARK_WARMUP",
+    "VLLM_V4_DSPARK_V4_ON_V1",
 )
 # Before 0.25 the overlay runs dspark as vLLM's dflash method (same machinery, so
 # every dflash predicate holds) and marks the draft config; these are the marker,
@@ -114,7 +115,14 @@ RECORD = PatchRecord(
         "uniform batch per power of two up to 256, then staggered batches that shrink) "
         "after its start-up and drops their outputs; the worker holds vLLM's JIT "
         "monitor (0.24+) back until the first step without them, and the drafter's "
-        "counters restart there."
+        "counters restart there. "
+        "A DeepSeek-V4 checkpoint's own stages (opt-in and unproven, "
+        "VLLM_V4_DSPARK_V4_ON_V1=on; refused in one line otherwise and before 0.25): "
+        "dspark.v4_proposer drafts them on V1 through vLLM's V4 draft class, with the "
+        "context buffer H wide (main_x, not hc_mult * H), the taps combined before the "
+        "base propose, one attention group per KV cache group holding a draft layer "
+        "(vLLM's V4 grouping splits the draft's sliding-window caches), and each "
+        "group's context and query slots computed from its own block table."
     ),
     upstream=(
         "vllm-project/vllm#46995: DSpark (V2 only), first in 0.25.0",

@@ -160,21 +160,49 @@ def validate_draft_checkpoint(vllm_config: Any, runner: str = "V2") -> tuple[str
     return expose_keys_to_dflash(draft.hf_config) if draft is not None else ()
 
 
+V4_ON_V1_SETTING = "VLLM_V4_DSPARK_V4_ON_V1"
+V4_ON_V1_CHOICES = ("off", "on")
+
+
 def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
-    """The V1 route drafts with DeepSpec-format drafts only. A DeepSeek-V4 target's
-    own DSpark stages need the target's mHC taps reduced, the draft's sliding-window
-    cache group and V4's sparse attention metadata, which it does not build: on the
-    H200 (vLLM 0.26.0) such an engine loaded vLLM's V4 draft on V1 and then died in
-    a DeepGEMM shape assertion during its profile run. One line instead."""
+    """A DeepSeek-V4 target's own DSpark stages go to the overlay's V4 drafter
+    (``v4_proposer``, through vLLM's V4 draft class) only when asked for: that
+    route has not yet served a request on the GPU (``docs/dspark.md`` section 13).
+    Otherwise, and on a release without the class (before 0.25), one line."""
     from vllm_v4_patches.dspark import checkpoint
+    from vllm_v4_patches.toggles import read_choice
 
     if draft_format not in (checkpoint.FORMAT_DEEPSEEK_V4, checkpoint.FORMAT_DEEPSEEK_V41):
         return
-    raise ValueError(
-        f"speculative_config.model={draft}: the DSpark stages inside a DeepSeek-V4 "
-        "checkpoint run on vLLM's V2 model runner only (vLLM >= 0.25); vllm_v4_patches "
-        "drafts DeepSpec-format DSpark drafts on V1 (unset VLLM_USE_V2_MODEL_RUNNER)"
-    )
+    from vllm import __version__
+
+    if not has_v4_draft_class():
+        raise ValueError(
+            f"speculative_config.model={draft}: the DSpark stages inside a DeepSeek-V4 "
+            f"checkpoint need vLLM's DeepSeek-V4 draft class ({V4_DRAFT_MODULE}, vLLM "
+            f">= 0.25); vLLM {__version__} has none, so vllm_v4_patches drafts only "
+            "DeepSpec-format DSpark drafts here"
+        )
+    choice = read_choice(V4_ON_V1_SETTING, V4_ON_V1_CHOICES, "refusing the V1 route")
+    if choice != "on":
+        raise ValueError(
+            f"speculative_config.model={draft}: the DSpark stages inside a DeepSeek-V4 "
+            "checkpoint run on vLLM's V2 model runner (unset VLLM_USE_V2_MODEL_RUNNER); "
+            f"the overlay's V1 route for them is unproven and off ({V4_ON_V1_SETTING}=on "
+            "tries it)"
+        )
+
+
+V4_DRAFT_MODULE = "vllm.models.deepseek_v4.nvidia.dspark"
+
+
+def has_v4_draft_class() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(V4_DRAFT_MODULE) is not None
+    except ImportError:  # a parent package that is not there
+        return False
 
 
 def warn_past_block(num_tokens: int | None, block_size: int, draft: str) -> bool:

@@ -57,6 +57,11 @@ def warm_after_start(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
 
 
 def build_dspark_drafter(vllm_config: Any, device: Any, runner: Any = None) -> Any:
+    from vllm_v4_patches.dspark.v4_proposer import drafts_deepseek_v4, v4_proposer_class
+
+    draft_config = vllm_config.speculative_config.draft_model_config.hf_config
+    if drafts_deepseek_v4(draft_config):
+        return v4_proposer_class()(vllm_config, device, runner)
     from vllm_v4_patches.dspark.proposer import proposer_class
 
     return proposer_class()(vllm_config, device, runner)
