@@ -172,6 +172,8 @@ class Plan:
     topk: int
     vocab: int
     seed: int
+    # 0: a random head over the whole vocabulary; K: only K rows are non-zero
+    live_tokens: int = 0
 
     @property
     def compress_ratios(self) -> list[int]:
@@ -193,6 +195,8 @@ def validate(plan: Plan) -> None:
         raise SystemExit(f"need 1 <= --topk <= --experts, got {plan.topk} and {plan.experts}")
     if plan.vocab % 128 or plan.vocab < 1024:
         raise SystemExit(f"--vocab must be a multiple of 128 and >= 1024, got {plan.vocab}")
+    if plan.live_tokens and not 2 <= plan.live_tokens <= plan.vocab - FIRST_LIVE_TOKEN:
+        raise SystemExit(f"--live-tokens must be 0 or 2..{plan.vocab - FIRST_LIVE_TOKEN}")
 
 
 # --------------------------------------------------------------------------------------
@@ -437,6 +441,28 @@ def add_head(t: Tensors, prefix: str) -> None:
     t.hc(prefix + "hc_head", HC_MULT, 1)
 
 
+# the live head's first row: past bos (0) and eos (1)
+FIRST_LIVE_TOKEN = 2
+
+
+def add_live_head(t: Tensors, plan: Plan) -> None:
+    """A head whose rows are zero but for ``plan.live_tokens`` random ones: greedy
+    picks are among those few tokens, so the best and second-best logits lie
+    further apart than among 4,096 random rows, and fewer picks are near-ties that
+    numeric noise flips (every other logit is exactly 0, and the best of K random
+    logits is positive with probability 1 - 2**-K)."""
+    shape = (plan.vocab, HIDDEN)
+    live = slice(FIRST_LIVE_TOKEN, FIRST_LIVE_TOKEN + plan.live_tokens)
+
+    def make() -> torch.Tensor:
+        head = torch.zeros(shape, dtype=torch.bfloat16)
+        rows = t.normal("head.weight", (plan.live_tokens, HIDDEN), WEIGHT_STD)
+        head[live] = rows.to(torch.bfloat16)
+        return head
+
+    t.add("head.weight", "BF16", shape, make)
+
+
 def shards(plan: Plan, *, dry: bool = False) -> Iterator[tuple[str, Tensors]]:
     """(what, tensors) per shard, in the real checkpoint's order; each shard is
     generated only when the writer asks for it."""
@@ -448,7 +474,10 @@ def shards(plan: Plan, *, dry: bool = False) -> Iterator[tuple[str, Tensors]]:
         add_block(t, f"layers.{layer_id}.", plan, layer_id, ratio)
         yield f"layer {layer_id} (compress ratio {ratio})", t
     t = Tensors(plan.seed, dry=dry)
-    t.bf16("head.weight", (plan.vocab, HIDDEN))
+    if plan.live_tokens:
+        add_live_head(t, plan)
+    else:
+        t.bf16("head.weight", (plan.vocab, HIDDEN))
     add_head(t, "")
     yield "head", t
     for stage in range(DSPARK_STAGES):
@@ -543,6 +572,7 @@ def hf_config(plan: Plan, noise_token_id: int) -> dict:
         "num_experts_per_tok": plan.topk,
         "num_hidden_layers": plan.layers,
         "num_hash_layers": plan.num_hash_layers,
+        "live_tokens": plan.live_tokens,
         "num_key_value_heads": 1,
         "num_nextn_predict_layers": 1,
         "o_groups": O_GROUPS,
@@ -875,12 +905,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topk", type=int, default=2, help="experts per token (default 2)")
     parser.add_argument("--vocab", type=int, default=4096, help="vocabulary (default 4096)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--live-tokens",
+        type=int,
+        default=0,
+        help="only this many LM-head rows non-zero (wider greedy margins; default 0: all)",
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
     parser.add_argument(
         "--dry-run", action="store_true", help="print the tensor inventory; write nothing"
     )
     args = parser.parse_args(argv)
-    plan = Plan(args.layers, args.experts, args.topk, args.vocab, args.seed)
+    plan = Plan(args.layers, args.experts, args.topk, args.vocab, args.seed, args.live_tokens)
     if args.dry_run:
         for name, (dtype, shape) in inventory(plan).items():
             print(f"{name}\t{dtype}\t{shape}")

@@ -45,6 +45,18 @@ def force_async_scheduling() -> None:
     register()
 
 
+def top_two_margins(logprobs: list | None) -> list[float] | None:
+    """Per generated token, its best logprob minus the second best (nats): how far a
+    greedy pick was from a tie."""
+    if logprobs is None:
+        return None
+    margins = []
+    for position in logprobs:
+        best = sorted((entry.logprob for entry in position.values()), reverse=True)
+        margins.append(best[0] - best[1] if len(best) > 1 else float("inf"))
+    return margins
+
+
 def generate(
     model: str,
     prompts: list[str] | None = None,
@@ -66,6 +78,7 @@ def generate(
     stagger: int = 0,
     cudagraph_mode: str | None = None,
     kv_cache_dtype: str | None = None,
+    margins: bool = False,
 ) -> dict:
     from vllm import SamplingParams
     from vllm.platforms import current_platform
@@ -106,6 +119,7 @@ def generate(
             max_tokens=max(1, max_tokens - i * stagger),
             ignore_eos=True,
             seed=seed + i,
+            logprobs=2 if margins else None,
         )
         for i in range(len(prompts))
     ]
@@ -133,6 +147,9 @@ def generate(
         "staging_probe": staging,
         "tokens_per_s": bench,
         "bench_ran_first": bool(bench),
+        "margins": (
+            [top_two_margins(out.outputs[0].logprobs) for out in outputs] if margins else None
+        ),
     }
 
 
@@ -327,6 +344,9 @@ def main() -> None:
     )
     parser.add_argument("--cudagraph-mode", help="vLLM's cudagraph_mode, e.g. PIECEWISE")
     parser.add_argument("--kv-cache-dtype", help="vLLM's kv_cache_dtype (DeepSeek-V4: fp8)")
+    parser.add_argument(
+        "--margins", action="store_true", help="record each greedy pick's top-two logprob gap"
+    )
     args = parser.parse_args()
     if args.plan:
         with open(args.plan) as handle:
@@ -354,6 +374,7 @@ def main() -> None:
         stagger=args.stagger,
         cudagraph_mode=args.cudagraph_mode,
         kv_cache_dtype=args.kv_cache_dtype,
+        margins=args.margins,
     )
     print("RESULT " + json.dumps(result))
 

@@ -35,7 +35,8 @@ from vllm_v4_patches.dspark.checkpoint import (
     parse_deepseek_v4_config,
 )
 
-SMALL = tiny.Plan(layers=1, experts=1, topk=1, vocab=1024, seed=0)  # the cheapest build
+# the cheapest build, with the GPU suite's head of a few live rows
+SMALL = tiny.Plan(layers=1, experts=1, topk=1, vocab=1024, seed=0, live_tokens=8)
 E4M3_MANTISSA_BITS = 3
 
 
@@ -641,6 +642,18 @@ def test_hash_table_and_mhc_parameters(built: Path) -> None:
 # --- the quantisers on hand-made inputs ---------------------------------------------------
 
 
+def test_live_head_rows_are_the_only_non_zero_ones(built: Path) -> None:
+    """``--live-tokens K``: the head's dtype and shape stay the real ones, its rows are
+    zero but for K seeded ones past bos and eos."""
+    dtype, raw = read_tensor(built, "head.weight")
+    head = raw.view(torch.bfloat16).float()
+    live = slice(tiny.FIRST_LIVE_TOKEN, tiny.FIRST_LIVE_TOKEN + SMALL.live_tokens)
+    assert dtype == "BF16" and head.shape == (SMALL.vocab, 4096)
+    assert (head[live].abs().sum(dim=1) > 0).all()
+    assert head[: live.start].abs().sum() == 0 and head[live.stop :].abs().sum() == 0
+    assert head[live].std() == pytest.approx(tiny.WEIGHT_STD, rel=0.05)
+
+
 def test_fp8_block_quantiser_round_trips() -> None:
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(256, 384, generator=generator)
@@ -691,6 +704,8 @@ def test_plans_outside_the_supported_range_are_refused() -> None:
         tiny.Plan(2, 2, 3, 4096, 0),
         tiny.Plan(2, 8, 2, 4000, 0),
         tiny.Plan(2, 8, 2, 512, 0),
+        tiny.Plan(2, 8, 2, 4096, 0, live_tokens=1),
+        tiny.Plan(2, 8, 2, 4096, 0, live_tokens=4095),
     ):
         with pytest.raises(SystemExit):
             tiny.validate(plan)

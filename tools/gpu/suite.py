@@ -108,12 +108,30 @@ def jobs() -> list[Job]:
     return [*v4_jobs(), *dense_jobs(dspark, qwen3, compiled_qwen3)]
 
 
+# the tiny V4's LM head has this many non-zero rows: wider greedy margins
+V4_LIVE_TOKENS = 16
+# eight prompts of the tiny V4's trained tokenizer's kind (plain English and code)
+V4_PROMPTS = (
+    "def main(",
+    "import os\nimport",
+    "class Parser:",
+    "The quick brown fox",
+    "for i in range(",
+    "Once upon a time",
+    "SELECT name FROM",
+    "# a comment about",
+)
+
+
 def v4_jobs() -> list[Job]:
     """The shrunken DeepSeek-V4 (real widths, real checkpoint format), bfloat16 with
     its fp8 attention and fp4 experts, eager and compiled, on the V1 runner; and with
     its own DSpark draft where stock vLLM has one (0.26.0: the V2 runner's)."""
     # its attention layout (fp8_ds_mla) takes an fp8 KV cache only
     v4 = [GENERATE, str(TINY_V4), "--dtype", "bfloat16", "--kv-cache-dtype", "fp8", *TOKENS, *KV]
+    v4 += ["--prompts", *V4_PROMPTS]
+    # the references record each greedy pick's top-two gap (NEAR_TIE)
+    reference = [*v4, "--margins"]
     in_checkpoint = ["--dspark", str(TINY_V4), "--spec-tokens", "5"]
     # vLLM's start-up JIT-builds every DeepGEMM shape it may meet (2,541 here,
     # about 30 minutes on the H200); the tiny model's few shapes build on first use
@@ -122,10 +140,12 @@ def v4_jobs() -> list[Job]:
     # its speculative warm-up would meet every batch shape, each a DeepGEMM build
     overlay_env = {**v1_env, "VLLM_V4_DSPARK_V4_ON_V1": "on", "VLLM_V4_DSPARK_WARMUP": "off"}
     return [
-        Job("v4-nospec-eager", v4, False, v1_env, part="v4"),
-        Job("v4-nospec", [*v4, "--no-eager"], False, v1_env, part="v4"),
+        Job("v4-nospec-eager", reference, False, v1_env, part="v4"),
+        # the same engine again: what numeric noise alone does to greedy picks
+        Job("v4-nospec-eager-again", v4, False, v1_env, part="v4"),
+        Job("v4-nospec", [*reference, "--no-eager"], False, v1_env, part="v4"),
         # the V2 runner's own numbers, which stock DSpark on V2 must equal
-        Job("v4-nospec-v2", v4, False, v2_env, min_version="0.26", part="v4"),
+        Job("v4-nospec-v2", reference, False, v2_env, min_version="0.26", part="v4"),
         Job("v4-dspark-stock", [*v4, *in_checkpoint], False, v2_env, min_version="0.26", part="v4"),
         Job("v4-dspark-overlay-v1", [*v4, *in_checkpoint], True, overlay_env, part="v4"),
         Job(
@@ -511,6 +531,47 @@ def roles_and_summaries(job: str) -> Check:
     return check
 
 
+# a greedy pick whose top-two logprob gap (nats) in the reference is below this is a
+# near-tie: numeric noise between two runs of one engine flips such picks (random
+# weights, MXFP4 experts and fp8 attention), so a comparison stops there
+NEAR_TIE = 0.1
+
+
+def divergences(reference: dict, other: dict) -> list[tuple[int, float | None]]:
+    """Per sequence that differs: the first differing position and the reference's
+    top-two gap there (None where the reference recorded no gaps)."""
+    found = []
+    margins = reference.get("margins") or [None] * len(reference["token_ids"])
+    for ref, got, gaps in zip(reference["token_ids"], other["token_ids"], margins, strict=True):
+        pairs = enumerate(zip(ref, got, strict=True))
+        position = next((i for i, (a, b) in pairs if a != b), None)
+        if position is not None:
+            found.append((position, None if gaps is None else gaps[position]))
+    return found
+
+
+def same_until_near_tie(reference: str, other: str) -> Check:
+    """Greedy tokens equal, except that a sequence may part from the reference at a
+    pick the reference made by less than NEAR_TIE nats (and is not compared after)."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        ref, got = result_of(outcomes, reference), result_of(outcomes, other)
+        parted = divergences(ref, got)
+        total = sum(len(tokens) for tokens in ref["token_ids"])
+        compared = total - sum(
+            len(ref["token_ids"][0]) - position for position, _ in parted
+        )  # equal lengths: ignore_eos with one max_tokens
+        ok = all(gap is not None and gap < NEAR_TIE for _, gap in parted)
+        where = [(p, None if gap is None else round(gap, 4)) for p, gap in parted]
+        return ok, (
+            f"{len(ref['token_ids']) - len(parted)}/{len(ref['token_ids'])} sequences equal; "
+            f"parted at (position, reference gap in nats) {where}; "
+            f"{compared}/{total} tokens compared"
+        )
+
+    return check
+
+
 def acceptance_like(reference: str, job: str) -> Check:
     """Same weights, same prompts, greedy: drafts equal to the reference drafter's
     are accepted as often (scheduling may differ a little between runners)."""
@@ -844,20 +905,23 @@ CHECKS: dict[str, Check] = {
     ),
     "serve: roles and summary lines": roles_and_summaries("serve-dspark"),
     "v4: no speculation, eager, completes": completes("v4-nospec-eager"),
-    "v4: no speculation, compiled with CUDA graphs, equals eager": same_tokens(
-        "v4-nospec-eager", "v4-nospec"
+    "v4 (diagnostic): no speculation, eager, run twice, parts only at near-ties": (
+        same_until_near_tie("v4-nospec-eager", "v4-nospec-eager-again")
     ),
-    "v4: stock DSpark (in-checkpoint draft, V2) equals V2 without speculation": same_tokens(
-        "v4-nospec-v2", "v4-dspark-stock"
+    "v4: no speculation, compiled with CUDA graphs, equals eager up to near-ties": (
+        same_until_near_tie("v4-nospec-eager", "v4-nospec")
     ),
-    "v4 (diagnostic): V2 without speculation equals V1 eager": same_tokens(
-        "v4-nospec-eager", "v4-nospec-v2"
+    "v4: stock DSpark (in-checkpoint draft, V2) equals V2 without speculation": (
+        same_until_near_tie("v4-nospec-v2", "v4-dspark-stock")
     ),
-    "v4: DSpark through the overlay on the V1 runner, eager, equals no speculation": same_tokens(
-        "v4-nospec-eager", "v4-dspark-overlay-v1"
+    "v4 (diagnostic): V2 without speculation equals V1 eager up to near-ties": (
+        same_until_near_tie("v4-nospec-eager", "v4-nospec-v2")
     ),
-    "v4: DSpark through the overlay on V1, compiled, equals no speculation": same_tokens(
-        "v4-nospec", "v4-dspark-overlay-v1-compiled"
+    "v4: DSpark through the overlay on the V1 runner, eager, equals no speculation": (
+        same_until_near_tie("v4-nospec-eager", "v4-dspark-overlay-v1")
+    ),
+    "v4: DSpark through the overlay on V1, compiled, equals no speculation": (
+        same_until_near_tie("v4-nospec", "v4-dspark-overlay-v1-compiled")
     ),
     "v4: the overlay's V1 drafts accept as stock V2's do": acceptance_like(
         "v4-dspark-stock", "v4-dspark-overlay-v1"
@@ -1021,6 +1085,7 @@ def main() -> None:
     ]
     if any(str(TINY_V4) in job.args for job in chosen) and not (TINY_V4 / "config.json").exists():
         build = [sys.executable, str(REPO / "tools" / "build_tiny_v4.py"), str(TINY_V4)]
+        build += ["--live-tokens", str(V4_LIVE_TOKENS)]
         subprocess.run(build, check=True)
     if any(str(PLAIN_LLAMA) in job.args for job in chosen):
         write_plain_variant(LLAMA, PLAIN_LLAMA)
