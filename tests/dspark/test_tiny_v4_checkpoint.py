@@ -430,6 +430,22 @@ def test_real_widths_match_the_published_checkpoint_byte_for_byte() -> None:
         assert (len(tensors.items), written) == (count, size), what
 
 
+def test_the_weight_check_passes_the_real_inventory() -> None:
+    """The checks a V4 draft's headers go through at engine start, on the inventory
+    that equals the published DeepSeek-V4-Flash-0731 shards (previous test): a valid
+    checkpoint of the real model must not be refused (its 43 layers as the taps'
+    range; the inventory holds layers 0-3)."""
+    from vllm_v4_patches.dspark.checkpoint import check_v4_entries
+
+    plan = tiny.Plan(layers=4, experts=256, topk=6, vocab=129280, seed=0)
+    entries = {n: (d, s) for n, (d, s) in tiny.inventory(plan).items() if n.startswith("mtp.")}
+    config = tiny.hf_config(plan, noise_token_id=plan.vocab - 1)
+    config["num_hidden_layers"] = 43
+    config["dspark_target_layer_ids"] = [40, 41, 42]
+    layout = check_v4_entries(entries, parse_deepseek_v4_config(config))
+    assert layout.num_stages == 3 and layout.has_confidence_head
+
+
 # --- one real build ----------------------------------------------------------------------
 
 
@@ -754,3 +770,123 @@ def test_v1_route_takes_the_in_checkpoint_draft_only_when_asked(
     assert validate_draft_checkpoint(config(), runner="V1") == ()
     monkeypatch.delenv(V4_ON_V1_SETTING)
     assert validate_draft_checkpoint(config(), runner="V2") == ()  # V2 drafts it natively
+
+
+# --- bad V4 checkpoints: one line naming the key or tensor -----------------------------
+
+
+def header_clone(source: Path, out: Path, edit_header=None, edit_config=None) -> Path:
+    """``source`` with its safetensors headers (and config) edited: each shard is its
+    new header followed by a sparse hole as long as the tensors it points at, so a
+    header-only reader sees a whole file and nothing is copied."""
+    out.mkdir()
+    weight_map = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        header = read_header(shard)
+        if edit_header is not None:
+            edit_header(header)
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+        blob = json.dumps(header).encode()
+        with open(out / shard.name, "wb") as handle:
+            handle.write(struct.pack("<Q", len(blob)) + blob)
+            handle.truncate(8 + len(blob) + max(ends, default=0))
+        weight_map.update({key: shard.name for key in header if key != "__metadata__"})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    # both config files, as a release of the checkpoint would change them
+    for name in ("config.json", "inference/config.json"):
+        if not (source / name).exists():
+            continue
+        config = read_json(source / name)
+        if edit_config is not None:
+            edit_config(config)
+        (out / name).parent.mkdir(exist_ok=True)
+        (out / name).write_text(json.dumps(config))
+    return out
+
+
+def drop(prefix: str):
+    def edit(header: dict) -> None:
+        for key in [k for k in header if k.startswith(prefix)]:
+            del header[key]
+
+    return edit
+
+
+def reshape(name: str, shape: list[int]):
+    def edit(header: dict) -> None:
+        if name in header:
+            header[name]["shape"] = shape
+
+    return edit
+
+
+def both(*edits):
+    def edit(header: dict) -> None:
+        for one in edits:
+            one(header)
+
+    return edit
+
+
+def refusal(checkpoint: Path) -> str:
+    from vllm_v4_patches.dspark.config_hooks import validate_draft_paths
+
+    with pytest.raises(ValueError) as refused:
+        validate_draft_paths(str(checkpoint), str(checkpoint))
+    line = str(refused.value)
+    assert "\n" not in line
+    return line
+
+
+def test_a_whole_checkpoint_passes_the_weight_check(built: Path, tmp_path: Path) -> None:
+    from vllm_v4_patches.dspark.config_hooks import validate_draft_paths
+
+    spec = validate_draft_paths(str(built), str(built))
+    assert spec.num_draft_layers == 3
+    assert validate_draft_paths(*[str(header_clone(built, tmp_path / "same"))] * 2) == spec
+
+
+def test_bad_v4_checkpoints_are_refused_naming_the_key_or_tensor(
+    built: Path, tmp_path: Path
+) -> None:
+    def set_key(key: str, value: Any):
+        return lambda config: config.__setitem__(key, value)
+
+    cases = {
+        # a missing middle stage
+        "mtp.* stages are 0, 2": header_clone(built, tmp_path / "a", drop("mtp.1.")),
+        # taps outside the target (one layer here)
+        "dspark_target_layer_ids": header_clone(
+            built, tmp_path / "b", edit_config=set_key("dspark_target_layer_ids", [0, 1])
+        ),
+        # a Markov rank the tensors do not have
+        "mtp.2.markov_head.markov_w1.weight has shape [1024, 256]; expected [1024, 128]": (
+            header_clone(built, tmp_path / "c", edit_config=set_key("dspark_markov_rank", 128))
+        ),
+        # an fp8 weight without its scale
+        "mtp.0.attn.wq_a.weight (F8_E4M3) has no scale tensor mtp.0.attn.wq_a.scale": (
+            header_clone(built, tmp_path / "d", drop("mtp.0.attn.wq_a.scale"))
+        ),
+        # an MXFP4 expert's scale of the wrong shape
+        "mtp.1.ffn.experts.0.w2.scale has shape": header_clone(
+            built,
+            tmp_path / "e",
+            reshape("mtp.1.ffn.experts.0.w2.scale", [1, 1]),
+        ),
+        # a context projection for two taps where the config names one
+        "mtp.0.main_proj.weight takes 8192 inputs, but dspark_target_layer_ids=[0]": (
+            header_clone(
+                built,
+                tmp_path / "g",
+                both(
+                    reshape("mtp.0.main_proj.weight", [4096, 8192]),
+                    reshape("mtp.0.main_proj.scale", [32, 64]),
+                ),
+            )
+        ),
+        # fewer stages than n_mtp_layers says
+        "n_mtp_layers": header_clone(built, tmp_path / "f", edit_config=set_key("n_mtp_layers", 4)),
+    }
+    for expected, checkpoint in cases.items():
+        assert expected in refusal(checkpoint), expected

@@ -240,6 +240,8 @@ def validate_draft_paths(draft: str | None, target: str | None) -> Any:
     spec = checkpoint.load_draft_spec(draft, target_path=target if has_target else None)
     if spec.format == checkpoint.FORMAT_DEEPSPEC_QWEN3:
         checkpoint.check_deepspec_weights(draft)
+    else:
+        checkpoint.check_v4_weights(draft, spec)
     return spec
 
 

@@ -58,6 +58,8 @@ from vllm_v4_patches.dspark.checkpoint.spec import (
 )
 from vllm_v4_patches.dspark.checkpoint.v4_weights import (
     DSparkV4WeightLayout,
+    check_v4_entries,
+    check_v4_weights,
     dspark_v4_weight_role,
     group_dspark_v4_weights,
 )
@@ -73,6 +75,8 @@ __all__ = [
     "DSparkDraftSpec",
     "DSparkV4WeightLayout",
     "check_deepspec_weights",
+    "check_v4_entries",
+    "check_v4_weights",
     "deepspec_qwen3_weight_shapes",
     "draft_spec",
     "dspark_v4_weight_role",

@@ -107,8 +107,12 @@ def check_deepspec_weights(path: str | os.PathLike[str]) -> None:
 
 
 def _safetensors_shapes(file: str) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a safetensors header, after checking that the file
-    holds every byte the header points at."""
+    return {name: shape for name, (_, shape) in safetensors_entries(file).items()}
+
+
+def safetensors_entries(file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (dtype, shape) from a safetensors header, after checking that
+    the file holds every byte the header points at."""
     import struct
 
     size = os.path.getsize(file)
@@ -121,7 +125,9 @@ def _safetensors_shapes(file: str) -> dict[str, tuple[int, ...]]:
         ends = [entry["data_offsets"][1] for k, entry in header.items() if k != "__metadata__"]
         if 8 + length + max(ends, default=0) > size:
             raise ValueError("the file is shorter than its tensors (truncated?)")
-        return {k: tuple(e["shape"]) for k, e in header.items() if k != "__metadata__"}
+        return {
+            k: (e["dtype"], tuple(e["shape"])) for k, e in header.items() if k != "__metadata__"
+        }
     except (ValueError, KeyError, TypeError, struct.error) as error:
         raise ValueError(
             f"{WEIGHTS_ERROR}: {file} is not a readable safetensors file ({error})"

@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from vllm_v4_patches.dspark.checkpoint.spec import WEIGHTS_ERROR, DSparkDraftSpec
+from vllm_v4_patches.dspark.checkpoint.spec import V4_KEY_NAMES, WEIGHTS_ERROR, DSparkDraftSpec
 
 _V4_NAME = re.compile(r"^mtp\.(\d+)\.(.+)$")
 # Roles of the non-layer tensors. Matched on the whole stage-relative path, never on
@@ -164,3 +164,77 @@ def _weight_tensor(names: Sequence[str]) -> str:
         if name.endswith(".weight"):
             return name
     return names[0]
+
+
+# quantised tensors and their scales: fp8 e4m3 linears carry one UE8M0 scale per
+# 128x128 block, MXFP4 experts (two codes per I8 byte) one E8M0 scale per 32 inputs
+_FP8, _FP4_PACKED = "F8_E4M3", "I8"
+
+
+def check_v4_weights(path: str, spec: DSparkDraftSpec) -> DSparkV4WeightLayout:
+    """A DeepSeek-V4 checkpoint's DSpark stages, read from its safetensors headers
+    (nothing is loaded): the stages and heads (``group_dspark_v4_weights``), the
+    Markov and confidence heads' shapes against the config, ``main_proj``'s width
+    against ``dspark_target_layer_ids``, and a scale of the right shape beside every
+    quantised stage tensor. One line naming the tensor or key otherwise."""
+    import glob
+    import os
+
+    from vllm_v4_patches.dspark.checkpoint.deepspec_weights import safetensors_entries
+
+    files = sorted(glob.glob(os.path.join(os.fspath(path), "*.safetensors")))
+    if not files:
+        raise ValueError(f"{WEIGHTS_ERROR}: no *.safetensors file in {path}")
+    entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in files:
+        entries.update(
+            (name, entry)
+            for name, entry in safetensors_entries(file).items()
+            if name.startswith("mtp.")
+        )
+    return check_v4_entries(entries, spec)
+
+
+def check_v4_entries(
+    entries: Mapping[str, tuple[str, Sequence[int]]], spec: DSparkDraftSpec
+) -> DSparkV4WeightLayout:
+    """``check_v4_weights`` on the ``mtp.*`` entries (name -> (dtype, shape))."""
+    shapes = {name: tuple(shape) for name, (_, shape) in entries.items()}
+    layout = group_dspark_v4_weights(entries, shapes=shapes, spec=spec)
+    _check_context_width(layout, shapes, spec)
+    _check_scales(entries)
+    return layout
+
+
+def _check_context_width(
+    layout: DSparkV4WeightLayout, shapes: Mapping[str, Sequence[int]], spec: DSparkDraftSpec
+) -> None:
+    name = _weight_tensor(layout.heads["main_proj"])
+    width = spec.hidden_size * len(spec.target_layer_ids)
+    stored = tuple(shapes[name])
+    if stored[-1] != width:
+        key = V4_KEY_NAMES["target_layer_ids"]
+        raise ValueError(
+            f"{WEIGHTS_ERROR}: {name} takes {stored[-1]} inputs, but {key}="
+            f"{list(spec.target_layer_ids)} gives {len(spec.target_layer_ids)} taps of "
+            f"hidden_size {spec.hidden_size} ({width})"
+        )
+
+
+def _check_scales(entries: Mapping[str, tuple[str, Sequence[int]]]) -> None:
+    for name, (dtype, shape) in entries.items():
+        if dtype not in (_FP8, _FP4_PACKED) or not name.endswith(".weight"):
+            continue
+        scale = name.removesuffix(".weight") + ".scale"
+        rows, columns = shape
+        if dtype == _FP8:
+            expected = (-(-rows // 128), -(-columns // 128))
+        else:
+            expected = (rows, -(-2 * columns // 32))
+        if scale not in entries:
+            raise ValueError(f"{WEIGHTS_ERROR}: {name} ({dtype}) has no scale tensor {scale}")
+        if tuple(entries[scale][1]) != expected:
+            raise ValueError(
+                f"{WEIGHTS_ERROR}: {scale} has shape {list(entries[scale][1])}; "
+                f"{name} ({dtype} {list(shape)}) needs {list(expected)}"
+            )
