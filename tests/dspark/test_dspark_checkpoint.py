@@ -576,3 +576,57 @@ def test_serving_reads_the_spec_of_a_loaded_config_under_either_format() -> None
     message = str(error.value)
     assert "\n" not in message and "markov_head_type='lstm'" in message
     assert "vanilla, gated, rnn" in message
+
+
+@pytest.mark.parametrize(
+    ("keys", "anchor_first"),
+    [
+        ({}, True),  # DeepSpec's and DeepSeek-V4's own exports carry no layout key
+        ({"sample_from_anchor": True}, True),
+        ({"sample_from_anchor": False}, False),
+        ({"dflash_config": {"sample_from_anchor": False}}, False),
+        ({"dspark_bonus_anchor": True}, False),
+        ({"dspark_bonus_anchor": False}, True),
+    ],
+)
+def test_the_block_layout_is_read_from_either_exporters_key(keys: dict, anchor_first: bool):
+    for base, parse in (
+        (DEEPSPEC_CONFIG, parse_deepspec_qwen3_config),
+        (V4_CONFIG, parse_draft_config),
+    ):
+        assert parse({**copy.deepcopy(base), **keys}).anchor_first is anchor_first
+    with pytest.raises(ValueError) as error:
+        parse_deepspec_qwen3_config({**DEEPSPEC_CONFIG, "sample_from_anchor": "no"})
+    assert_one_line_error(error, "sample_from_anchor", "dspark draft config: ")
+
+
+def test_a_fill_in_draft_is_refused_on_v1_in_one_line(dspark_pair, tmp_path: Path) -> None:
+    """A real draft folder (the distilled tiny draft's config and weights) whose config
+    declares the fill-in layout: the V1 route refuses it rather than serve it
+    anchor-first at near-zero acceptance (upstream vLLM #56792); V2 is left to serve
+    it. The vLLM config is a stand-in holding the fields the hook reads."""
+    import shutil
+    from types import SimpleNamespace
+
+    from vllm_v4_patches.dspark.config_hooks import validate_draft_checkpoint
+
+    target, draft = dspark_pair
+    fill_in = tmp_path / "fill-in"
+    shutil.copytree(draft, fill_in)
+    config = json.loads((fill_in / "config.json").read_text())
+    (fill_in / "config.json").write_text(json.dumps({**config, "sample_from_anchor": False}))
+
+    def vllm_config(path: Path) -> SimpleNamespace:
+        speculative = SimpleNamespace(
+            model=str(path), num_speculative_tokens=4, draft_model_config=None
+        )
+        return SimpleNamespace(
+            speculative_config=speculative, model_config=SimpleNamespace(model=str(target))
+        )
+
+    with pytest.raises(ValueError) as refused:
+        validate_draft_checkpoint(vllm_config(fill_in), runner="V1")
+    line = str(refused.value)
+    assert "\n" not in line and "sample_from_anchor=false" in line and str(fill_in) in line
+    assert validate_draft_checkpoint(vllm_config(fill_in), runner="V2") == ()
+    assert validate_draft_checkpoint(vllm_config(draft), runner="V1") == ()  # control

@@ -56,7 +56,9 @@ def _check_stand_in_request(kwargs: dict) -> None:
             "method 'dspark' runs on the V1 runner (unset it or set it to 0)"
         )
     target = kwargs.get("target_model_config")
-    validate_draft_paths(kwargs["model"], getattr(target, "model", None))
+    spec = validate_draft_paths(kwargs["model"], getattr(target, "model", None))
+    if spec is not None:
+        refuse_fill_in_layout_on_v1(spec.anchor_first, kwargs["model"])
 
 
 def _mark_dspark_draft(hf_config: Any) -> None:
@@ -155,9 +157,26 @@ def validate_draft_checkpoint(vllm_config: Any, runner: str = "V2") -> tuple[str
     spec = validate_draft_paths(speculative.model, vllm_config.model_config.model)
     if spec is not None:
         if runner == "V1":
+            refuse_fill_in_layout_on_v1(spec.anchor_first, speculative.model)
             refuse_in_checkpoint_draft_on_v1(spec.format, speculative.model)
         warn_past_block(speculative.num_speculative_tokens, spec.block_size, speculative.model)
     return expose_keys_to_dflash(draft.hf_config) if draft is not None else ()
+
+
+def refuse_fill_in_layout_on_v1(anchor_first: bool, draft: str) -> None:
+    """The V1 drafter drafts anchor-first blocks (every one of the N slots a
+    prediction). A draft exported with DFlash's fill-in block (the anchor a bonus
+    token, 1 + N slots) would be served in the wrong layout and accept almost
+    nothing, silently (upstream vLLM #56792); one line instead."""
+    if anchor_first:
+        return
+    raise ValueError(
+        f"speculative_config.model={draft}: its config.json declares the fill-in block "
+        "layout (sample_from_anchor=false or dspark_bonus_anchor=true: the anchor is a "
+        "bonus token, 1 + N slots); vllm_v4_patches' V1 drafter drafts anchor-first "
+        "blocks only (sample_from_anchor true or absent), so it would accept almost no "
+        "draft; vLLM >= 0.25's V2 runner serves the fill-in layout"
+    )
 
 
 V4_ON_V1_SETTING = "VLLM_V4_DSPARK_V4_ON_V1"

@@ -164,6 +164,7 @@ def _parse_deepspec_keys(reader: _ConfigReader, target_num_layers: int | None) -
             "embedding); got markov_rank=0"
         )
     return DSparkDraftSpec(
+        anchor_first=anchor_layout(reader),
         format=FORMAT_DEEPSPEC_QWEN3,
         block_size=block_size,
         mask_token_id=mask_token_id,
@@ -231,6 +232,7 @@ def parse_deepseek_v4_config(
         num_stages = counted
     is_v41 = merged.get("model_type") == "deepseek_v41"
     return DSparkDraftSpec(
+        anchor_first=anchor_layout(reader),
         format=FORMAT_DEEPSEEK_V41 if is_v41 else FORMAT_DEEPSEEK_V4,
         block_size=block_size,
         mask_token_id=noise_token_id,
@@ -245,6 +247,24 @@ def parse_deepseek_v4_config(
         weight_prefix=V4_WEIGHT_PREFIX,
         num_target_layers=num_target_layers,
     )
+
+
+LAYOUT_KEYS = ("sample_from_anchor", "dspark_bonus_anchor")
+
+
+def anchor_layout(reader: _ConfigReader) -> bool:
+    """Whether the draft's block is anchor-first, from the keys exporters write:
+    speculators' ``sample_from_anchor`` (top level or in ``dflash_config``; false is
+    the fill-in layout) and vLLM's ``dspark_bonus_anchor`` (true is fill-in). A
+    config with neither is anchor-first, as DeepSpec and DeepSeek-V4 export."""
+    nested = reader.config.get("dflash_config")
+    if isinstance(nested, dict) and "sample_from_anchor" in nested:
+        _ConfigReader(nested).boolean("sample_from_anchor", default=True)  # type-checks it
+        if nested["sample_from_anchor"] is False:
+            return False
+    if not reader.boolean("sample_from_anchor", default=True):
+        return False
+    return not reader.boolean("dspark_bonus_anchor", default=False)
 
 
 def draft_spec(hf_config: Any) -> DSparkDraftSpec:

@@ -50,6 +50,10 @@ class DSparkDraftSpec:
     vocab_size: int
     weight_prefix: str
     num_target_layers: int | None = None
+    # the block layout the draft was trained with: True for anchor-first (every slot a
+    # prediction, DeepSpec's and DeepSeek-V4's own), False for DFlash's fill-in
+    # (anchor as a bonus token, 1 + N slots), as ``anchor_layout`` reads it
+    anchor_first: bool = True
 
 
 def short(value: Any) -> str:
