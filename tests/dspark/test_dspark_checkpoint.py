@@ -630,3 +630,33 @@ def test_a_fill_in_draft_is_refused_on_v1_in_one_line(dspark_pair, tmp_path: Pat
     assert "\n" not in line and "sample_from_anchor=false" in line and str(fill_in) in line
     assert validate_draft_checkpoint(vllm_config(fill_in), runner="V2") == ()
     assert validate_draft_checkpoint(vllm_config(draft), runner="V1") == ()  # control
+
+
+def test_taps_follow_each_formats_meaning() -> None:
+    """vLLM's aux index i is the stream entering layer i: a DeepSpec or V4 tap of
+    layer L (its output) is aux L + 1, a V4.1 tap of layer L (its input) is aux L."""
+    from vllm_v4_patches.dspark.runner_hooks import aux_layers
+
+    deepspec = parse_deepspec_qwen3_config(copy.deepcopy(DEEPSPEC_CONFIG))
+    v4 = parse_draft_config(copy.deepcopy(V4_CONFIG))
+    v41 = parse_draft_config({**copy.deepcopy(V4_CONFIG), "model_type": "deepseek_v41"})
+    assert aux_layers(deepspec) == tuple(i + 1 for i in deepspec.target_layer_ids)
+    assert aux_layers(v4) == tuple(i + 1 for i in v4.target_layer_ids)
+    assert v41.target_layer_ids == v4.target_layer_ids
+    assert aux_layers(v41) == v41.target_layer_ids
+
+
+def test_v41_stages_are_refused_on_v1_even_when_the_v4_route_is_on(monkeypatch) -> None:
+    from vllm_v4_patches.dspark import checkpoint
+    from vllm_v4_patches.dspark.config_hooks import (
+        V4_ON_V1_SETTING,
+        refuse_in_checkpoint_draft_on_v1,
+    )
+
+    monkeypatch.setenv(V4_ON_V1_SETTING, "on")
+    with pytest.raises(ValueError) as refused:
+        refuse_in_checkpoint_draft_on_v1(checkpoint.FORMAT_DEEPSEEK_V41, "/ckpt/v41")
+    line = str(refused.value)
+    assert "\n" not in line and "DeepSeek-V4.1" in line and "/ckpt/v41" in line
+    refuse_in_checkpoint_draft_on_v1(checkpoint.FORMAT_DEEPSEEK_V4, "/ckpt/v4")  # control
+    refuse_in_checkpoint_draft_on_v1(checkpoint.FORMAT_DEEPSPEC_QWEN3, "/ckpt/qwen3")

@@ -195,6 +195,13 @@ def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
         return
     from vllm import __version__
 
+    if draft_format == checkpoint.FORMAT_DEEPSEEK_V41:
+        raise ValueError(
+            f"speculative_config.model={draft}: DeepSeek-V4.1's DSpark stages run on "
+            "vLLM's V2 model runner (unset VLLM_USE_V2_MODEL_RUNNER); vllm_v4_patches' "
+            "V1 route is built for DeepSeek-V4's stages only"
+        )
+
     if not has_v4_draft_class():
         raise ValueError(
             f"speculative_config.model={draft}: the DSpark stages inside a DeepSeek-V4 "

@@ -74,9 +74,17 @@ def dspark_target_taps(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
     from vllm_v4_patches.dspark.checkpoint import draft_spec
 
     spec = draft_spec(runner.speculative_config.draft_model_config.hf_config)
-    # checkpoints name the layer whose output they tap; vLLM's aux index i is the
-    # stream entering layer i, i.e. the output of layer i - 1
-    return tuple(layer_id + 1 for layer_id in spec.target_layer_ids)
+    return aux_layers(spec)
+
+
+def aux_layers(spec: Any) -> tuple[int, ...]:
+    """vLLM's aux index i is the stream entering layer i, i.e. the output of layer
+    i - 1. DeepSpec and V4 checkpoints name the layer whose output they tap;
+    V4.1 names the layer whose (attention) input it taps."""
+    from vllm_v4_patches.dspark.checkpoint import FORMAT_DEEPSEEK_V41
+
+    shift = 0 if spec.format == FORMAT_DEEPSEEK_V41 else 1
+    return tuple(layer_id + shift for layer_id in spec.target_layer_ids)
 
 
 def _dspark_drafter(runner: Any) -> Any:
