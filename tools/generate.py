@@ -79,6 +79,7 @@ def generate(
     cudagraph_mode: str | None = None,
     kv_cache_dtype: str | None = None,
     margins: bool = False,
+    count_syncs: bool = False,
 ) -> dict:
     from vllm import SamplingParams
     from vllm.platforms import current_platform
@@ -125,9 +126,20 @@ def generate(
     ]
     # timed first: the first round of the first batch size is the engine's first request
     bench = {str(batch): tokens_per_second(llm, batch, max_tokens) for batch in bench_batches}
+    counter_error = None
+    if count_syncs:
+        try:  # a counter that cannot install must not cost the run its tokens
+            llm.collective_rpc(install_sync_counter)
+        except Exception as exc:  # noqa: BLE001
+            counter_error = f"{type(exc).__name__}: {exc}"
     checked = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     done = time.perf_counter()
+    syncs = None
+    if count_syncs:
+        syncs = (
+            {"error": counter_error} if counter_error else llm.collective_rpc(read_sync_counts)[0]
+        )
     engine_config = getattr(llm.llm_engine, "vllm_config", None)
     drafter = llm.collective_rpc(dspark_drafter_stats)[0] if dspark else None
     cudagraphs = llm.collective_rpc(cudagraph_facts)[0]
@@ -147,6 +159,7 @@ def generate(
         "staging_probe": staging,
         "tokens_per_s": bench,
         "bench_ran_first": bool(bench),
+        "host_syncs": syncs,
         "margins": (
             [top_two_margins(out.outputs[0].logprobs) for out in outputs] if margins else None
         ),
@@ -212,6 +225,61 @@ def cudagraph_facts(worker) -> dict:  # noqa: ANN001
         "mode": getattr(getattr(config, "cudagraph_mode", None), "name", None),
         "keys": {getattr(mode, "name", str(mode)): len(shapes) for mode, shapes in keys.items()},
     }
+
+
+# what install_sync_counter times: the target's attention metadata (every step),
+# the drafter's metadata and the drafter's whole proposal
+SYNC_COUNTED = (
+    ("runner", "_build_attention_metadata"),
+    ("drafter", "build_per_group_and_layer_attn_metadata"),
+    ("drafter", "propose"),
+)
+
+
+def install_sync_counter(worker) -> list[str]:  # noqa: ANN001
+    """Runs in the worker: count the host synchronisations (CUDA sync debug mode's
+    warnings: .item(), .cpu(), .tolist(), blocking copies to the host...) each call
+    of SYNC_COUNTED makes; returns what it wraps. The instance attribute shadows the
+    class method (and the overlay's wrappers on it) for this process only."""
+    import functools
+    import warnings
+
+    import torch
+
+    runner = worker.model_runner
+    owners = {"runner": runner, "drafter": getattr(runner, "drafter", None)}
+    counts = runner.__dict__.setdefault("sync_counts", {})
+    wrapped = []
+    for owner_name, method_name in SYNC_COUNTED:
+        owner = owners[owner_name]
+        method = getattr(owner, method_name, None)
+        if method is None:
+            continue
+        key = f"{owner_name}.{method_name}"
+        counts[key] = {"calls": 0, "syncs": 0}
+
+        def counted(*args, _method=method, _key=key, **kwargs):  # noqa: ANN002, ANN003
+            # a counted call inside another (the drafter's metadata inside propose)
+            # keeps its syncs: the outer count excludes them
+            previous = torch.cuda.get_sync_debug_mode()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode(previous)
+                    syncs = [w for w in caught if "synchronizing" in str(w.message)]
+                    counts[_key]["calls"] += 1
+                    counts[_key]["syncs"] += len(syncs)
+
+        setattr(owner, method_name, functools.wraps(method)(counted))
+        wrapped.append(key)
+    return wrapped
+
+
+def read_sync_counts(worker) -> dict:  # noqa: ANN001
+    return dict(worker.model_runner.__dict__.get("sync_counts", {}))
 
 
 def staging_probe_counts(worker) -> dict | None:  # noqa: ANN001
@@ -347,6 +415,11 @@ def main() -> None:
     parser.add_argument(
         "--margins", action="store_true", help="record each greedy pick's top-two logprob gap"
     )
+    parser.add_argument(
+        "--count-syncs",
+        action="store_true",
+        help="count host synchronisations per metadata build and proposal (CUDA only)",
+    )
     args = parser.parse_args()
     if args.plan:
         with open(args.plan) as handle:
@@ -375,6 +448,7 @@ def main() -> None:
         cudagraph_mode=args.cudagraph_mode,
         kv_cache_dtype=args.kv_cache_dtype,
         margins=args.margins,
+        count_syncs=args.count_syncs,
     )
     print("RESULT " + json.dumps(result))
 

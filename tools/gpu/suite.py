@@ -142,12 +142,18 @@ def v4_jobs() -> list[Job]:
     return [
         Job("v4-nospec-eager", reference, False, v1_env, part="v4"),
         # the same engine again: what numeric noise alone does to greedy picks
-        Job("v4-nospec-eager-again", v4, False, v1_env, part="v4"),
+        Job("v4-nospec-eager-again", [*v4, "--count-syncs"], False, v1_env, part="v4"),
         Job("v4-nospec", [*reference, "--no-eager"], False, v1_env, part="v4"),
         # the V2 runner's own numbers, which stock DSpark on V2 must equal
         Job("v4-nospec-v2", reference, False, v2_env, min_version="0.26", part="v4"),
         Job("v4-dspark-stock", [*v4, *in_checkpoint], False, v2_env, min_version="0.26", part="v4"),
-        Job("v4-dspark-overlay-v1", [*v4, *in_checkpoint], True, overlay_env, part="v4"),
+        Job(
+            "v4-dspark-overlay-v1",
+            [*v4, *in_checkpoint, "--count-syncs"],
+            True,
+            overlay_env,
+            part="v4",
+        ),
         Job(
             "v4-dspark-overlay-v1-compiled",
             [*v4, *in_checkpoint, "--no-eager"],
@@ -572,6 +578,39 @@ def same_until_near_tie(reference: str, other: str) -> Check:
     return check
 
 
+def sync_counts(outcomes: dict[str, Outcome], job: str) -> dict:
+    counts = result_of(outcomes, job).get("host_syncs")
+    if not counts:
+        raise Missing(f"{job} recorded no host_syncs (run with --count-syncs)")
+    if "error" in counts:
+        raise Missing(f"{job}: the sync counter did not install: {counts['error']}")
+    return counts
+
+
+def no_metadata_syncs(job: str) -> Check:
+    """The seed's request-id change removed a device-to-host copy that a plugin's V4
+    metadata build made each step; stock vLLM's own V4 builders are read to make
+    none. Counted with CUDA's sync debug mode over every build of the run."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        counted = sync_counts(outcomes, job)["runner._build_attention_metadata"]
+        return counted["calls"] > 0 and counted["syncs"] == 0, f"{counted}"
+
+    return check
+
+
+def sync_figures(job: str) -> Check:
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        counts = sync_counts(outcomes, job)
+        per_call = {
+            key: round(value["syncs"] / value["calls"], 2) if value["calls"] else None
+            for key, value in counts.items()
+        }
+        return bool(counts), f"syncs per call {per_call}; {counts}"
+
+    return check
+
+
 def acceptance_like(reference: str, job: str) -> Check:
     """Same weights, same prompts, greedy: drafts equal to the reference drafter's
     are accepted as often (scheduling may differ a little between runners)."""
@@ -922,6 +961,12 @@ CHECKS: dict[str, Check] = {
     ),
     "v4: DSpark through the overlay on V1, compiled, equals no speculation": (
         same_until_near_tie("v4-nospec", "v4-dspark-overlay-v1-compiled")
+    ),
+    "v4: no host sync in the target's attention metadata (stock, V1)": no_metadata_syncs(
+        "v4-nospec-eager-again"
+    ),
+    "v4 (diagnostic): host syncs per step of the overlay's V4 drafter": sync_figures(
+        "v4-dspark-overlay-v1"
     ),
     "v4: the overlay's V1 drafts accept as stock V2's do": acceptance_like(
         "v4-dspark-stock", "v4-dspark-overlay-v1"
