@@ -451,16 +451,22 @@ def add_live_head(t: Tensors, plan: Plan) -> None:
     further apart than among 4,096 random rows, and fewer picks are near-ties that
     numeric noise flips (every other logit is exactly 0, and the best of K random
     logits is positive with probability 1 - 2**-K)."""
-    shape = (plan.vocab, HIDDEN)
+    add_live_rows(t, "head.weight", plan, HIDDEN)
+
+
+def add_live_rows(t: Tensors, name: str, plan: Plan, width: int) -> None:
+    """``name`` as a [vocab, width] BF16 matrix, zero but for the live tokens' rows
+    (the LM head, and the Markov head's output so that its bias is zero outside
+    them too and the draft picks among the same tokens)."""
+    shape = (plan.vocab, width)
     live = slice(FIRST_LIVE_TOKEN, FIRST_LIVE_TOKEN + plan.live_tokens)
 
     def make() -> torch.Tensor:
-        head = torch.zeros(shape, dtype=torch.bfloat16)
-        rows = t.normal("head.weight", (plan.live_tokens, HIDDEN), WEIGHT_STD)
-        head[live] = rows.to(torch.bfloat16)
-        return head
+        matrix = torch.zeros(shape, dtype=torch.bfloat16)
+        matrix[live] = t.normal(name, (plan.live_tokens, width), WEIGHT_STD).to(torch.bfloat16)
+        return matrix
 
-    t.add("head.weight", "BF16", shape, make)
+    t.add(name, "BF16", shape, make)
 
 
 def shards(plan: Plan, *, dry: bool = False) -> Iterator[tuple[str, Tensors]]:
@@ -490,7 +496,10 @@ def shards(plan: Plan, *, dry: bool = False) -> Iterator[tuple[str, Tensors]]:
         if stage == DSPARK_STAGES - 1:
             add_head(t, prefix)
             t.bf16(prefix + "markov_head.markov_w1.weight", (plan.vocab, MARKOV_RANK))
-            t.bf16(prefix + "markov_head.markov_w2.weight", (plan.vocab, MARKOV_RANK))
+            if plan.live_tokens:
+                add_live_rows(t, prefix + "markov_head.markov_w2.weight", plan, MARKOV_RANK)
+            else:
+                t.bf16(prefix + "markov_head.markov_w2.weight", (plan.vocab, MARKOV_RANK))
             t.bf16(prefix + "confidence_head.proj.weight", (1, HIDDEN + MARKOV_RANK))
         yield f"draft stage {stage}", t
 

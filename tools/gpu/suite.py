@@ -84,8 +84,9 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     min_version: str = "0"
     below_version: str = "99"  # diagnostics for one release line
-    # "extra": run by a second call (one call is at most 10 minutes); "v4": only when
-    # asked for, on a release staged with DeepSeek-V4's kernels (stage.py --v4)
+    # "extra": run by a second call (one call is at most 10 minutes); "v4" (eager)
+    # and "v4-compiled" (CUDA graphs: a call of their own, their capture is long):
+    # only when asked for, on a release staged with DeepSeek-V4's kernels (--v4)
     part: str = "core"
     timeout: float = 480
     alone: bool = False  # a timing job: runs after the others, with the GPU to itself
@@ -143,7 +144,7 @@ def v4_jobs() -> list[Job]:
         Job("v4-nospec-eager", reference, False, v1_env, part="v4"),
         # the same engine again: what numeric noise alone does to greedy picks
         Job("v4-nospec-eager-again", [*v4, "--count-syncs"], False, v1_env, part="v4"),
-        Job("v4-nospec", [*reference, "--no-eager"], False, v1_env, part="v4"),
+        Job("v4-nospec", [*reference, "--no-eager"], False, v1_env, part="v4-compiled"),
         # the V2 runner's own numbers, which stock DSpark on V2 must equal
         Job("v4-nospec-v2", reference, False, v2_env, min_version="0.26", part="v4"),
         Job("v4-dspark-stock", [*v4, *in_checkpoint], False, v2_env, min_version="0.26", part="v4"),
@@ -159,7 +160,7 @@ def v4_jobs() -> list[Job]:
             [*v4, *in_checkpoint, "--no-eager"],
             True,
             overlay_env,
-            part="v4",
+            part="v4-compiled",
         ),
     ]
 
@@ -1117,7 +1118,9 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--jobs", type=int, default=6, help="engines at once on the GPU")
     parser.add_argument("--only", nargs="*", help="run only these jobs")
-    parser.add_argument("--part", choices=["core", "extra", "perf", "v4", "all"], default="all")
+    parser.add_argument(
+        "--part", choices=["core", "extra", "perf", "v4", "v4-compiled", "all"], default="all"
+    )
     parser.add_argument("--deadline", type=float, default=540, help="seconds for all jobs")
     args = parser.parse_args()
     facts = environment()
@@ -1126,7 +1129,7 @@ def main() -> None:
         j
         for j in jobs_for(version)
         if (not args.only or j.name in args.only)
-        and (args.part == j.part or (args.part == "all" and j.part != "v4"))
+        and (args.part == j.part or (args.part == "all" and not j.part.startswith("v4")))
     ]
     if any(str(TINY_V4) in job.args for job in chosen) and not (TINY_V4 / "config.json").exists():
         build = [sys.executable, str(REPO / "tools" / "build_tiny_v4.py"), str(TINY_V4)]
