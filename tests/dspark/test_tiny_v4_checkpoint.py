@@ -830,27 +830,56 @@ def both(*edits):
     return edit
 
 
+def stand_in_config(checkpoint: Path) -> Any:
+    """The three fields the config hook reads (a real V4 vLLM config is not built on
+    the CPU backend)."""
+    from types import SimpleNamespace
+
+    speculative = SimpleNamespace(
+        model=str(checkpoint), num_speculative_tokens=5, draft_model_config=None
+    )
+    return SimpleNamespace(
+        speculative_config=speculative, model_config=SimpleNamespace(model=str(checkpoint))
+    )
+
+
 def refusal(checkpoint: Path) -> str:
-    from vllm_v4_patches.dspark.config_hooks import validate_draft_paths
+    """The V1 route's refusal (the route on); V2 leaves the checkpoint to vLLM."""
+    from vllm_v4_patches.dspark.config_hooks import validate_draft_checkpoint
 
     with pytest.raises(ValueError) as refused:
-        validate_draft_paths(str(checkpoint), str(checkpoint))
+        validate_draft_checkpoint(stand_in_config(checkpoint), runner="V1")
     line = str(refused.value)
     assert "\n" not in line
     return line
 
 
-def test_a_whole_checkpoint_passes_the_weight_check(built: Path, tmp_path: Path) -> None:
-    from vllm_v4_patches.dspark.config_hooks import validate_draft_paths
+def test_a_whole_checkpoint_passes_the_weight_check(
+    built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_v4_patches.dspark.checkpoint import check_v4_weights
+    from vllm_v4_patches.dspark.config_hooks import (
+        V4_ON_V1_SETTING,
+        validate_draft_checkpoint,
+        validate_draft_paths,
+    )
 
+    monkeypatch.setenv(V4_ON_V1_SETTING, "on")
     spec = validate_draft_paths(str(built), str(built))
-    assert spec.num_draft_layers == 3
-    assert validate_draft_paths(*[str(header_clone(built, tmp_path / "same"))] * 2) == spec
+    assert check_v4_weights(str(built), spec).num_stages == 3
+    clone = header_clone(built, tmp_path / "same")
+    assert validate_draft_checkpoint(stand_in_config(clone), runner="V1") == ()
 
 
 def test_bad_v4_checkpoints_are_refused_naming_the_key_or_tensor(
-    built: Path, tmp_path: Path
+    built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """On the V1 route (on); on V2, where vLLM's own loader judges the stages, the
+    overlay refuses only a config its parser cannot read."""
+    from vllm_v4_patches.dspark.config_hooks import V4_ON_V1_SETTING, validate_draft_checkpoint
+
+    monkeypatch.setenv(V4_ON_V1_SETTING, "on")
+
     def set_key(key: str, value: Any):
         return lambda config: config.__setitem__(key, value)
 
@@ -891,3 +920,7 @@ def test_bad_v4_checkpoints_are_refused_naming_the_key_or_tensor(
     }
     for expected, checkpoint in cases.items():
         assert expected in refusal(checkpoint), expected
+    weights_only = [c for e, c in cases.items() if e.startswith(("mtp.* stages", "mtp.0.attn"))]
+    assert len(weights_only) == 2
+    for checkpoint in weights_only:
+        assert validate_draft_checkpoint(stand_in_config(checkpoint), runner="V2") == ()

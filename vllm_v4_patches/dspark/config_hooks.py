@@ -159,6 +159,7 @@ def validate_draft_checkpoint(vllm_config: Any, runner: str = "V2") -> tuple[str
         if runner == "V1":
             refuse_fill_in_layout_on_v1(spec.anchor_first, speculative.model)
             refuse_in_checkpoint_draft_on_v1(spec.format, speculative.model)
+            check_in_checkpoint_weights(spec, speculative.model)
         warn_past_block(speculative.num_speculative_tokens, spec.block_size, speculative.model)
     return expose_keys_to_dflash(draft.hf_config) if draft is not None else ()
 
@@ -266,9 +267,17 @@ def validate_draft_paths(draft: str | None, target: str | None) -> Any:
     spec = checkpoint.load_draft_spec(draft, target_path=target if has_target else None)
     if spec.format == checkpoint.FORMAT_DEEPSPEC_QWEN3:
         checkpoint.check_deepspec_weights(draft)
-    else:
-        checkpoint.check_v4_weights(draft, spec)
     return spec
+
+
+def check_in_checkpoint_weights(spec: Any, draft: str) -> None:
+    """A DeepSeek-V4 checkpoint's stages that the overlay's V1 drafter will serve,
+    checked from their safetensors headers. Where vLLM's V2 runner serves them, its
+    own loader judges the checkpoint: the overlay refuses nothing there."""
+    from vllm_v4_patches.dspark import checkpoint
+
+    if spec.format != checkpoint.FORMAT_DEEPSPEC_QWEN3:
+        checkpoint.check_v4_weights(draft, spec)
 
 
 V2_ACTIVE = (
