@@ -194,8 +194,6 @@ def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
 
     if draft_format not in (checkpoint.FORMAT_DEEPSEEK_V4, checkpoint.FORMAT_DEEPSEEK_V41):
         return
-    from vllm import __version__
-
     if draft_format == checkpoint.FORMAT_DEEPSEEK_V41:
         raise ValueError(
             f"speculative_config.model={draft}: DeepSeek-V4.1's DSpark stages run on "
@@ -204,6 +202,8 @@ def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
         )
 
     if not has_v4_draft_class():
+        from vllm import __version__
+
         raise ValueError(
             f"speculative_config.model={draft}: the DSpark stages inside a DeepSeek-V4 "
             f"checkpoint need vLLM's DeepSeek-V4 draft class ({V4_DRAFT_MODULE}, vLLM "

@@ -249,19 +249,16 @@ def parse_deepseek_v4_config(
     )
 
 
-LAYOUT_KEYS = ("sample_from_anchor", "dspark_bonus_anchor")
-
-
 def anchor_layout(reader: _ConfigReader) -> bool:
     """Whether the draft's block is anchor-first, from the keys exporters write:
     speculators' ``sample_from_anchor`` (top level or in ``dflash_config``; false is
     the fill-in layout) and vLLM's ``dspark_bonus_anchor`` (true is fill-in). A
     config with neither is anchor-first, as DeepSpec and DeepSeek-V4 export."""
     nested = reader.config.get("dflash_config")
-    if isinstance(nested, dict) and "sample_from_anchor" in nested:
-        _ConfigReader(nested).boolean("sample_from_anchor", default=True)  # type-checks it
-        if nested["sample_from_anchor"] is False:
-            return False
+    if isinstance(nested, dict) and not _ConfigReader(nested).boolean(
+        "sample_from_anchor", default=True
+    ):
+        return False
     if not reader.boolean("sample_from_anchor", default=True):
         return False
     return not reader.boolean("dspark_bonus_anchor", default=False)
