@@ -33,6 +33,8 @@ sys.path.insert(0, str(REPO / "tools"))
 TEST_GROUPS = ("core", "patches", "dspark", "serving")
 sys.path[1:1] = [str(REPO / "tests" / group) for group in TEST_GROUPS]
 
+import start_faults  # noqa: E402  (tools/, on the path above)
+
 MODEL_DIR = REPO / ".cache" / "models" / "tiny-llama"
 DSPARK_TARGET_DIR = REPO / ".cache" / "models" / "tiny-qwen3"
 DSPARK_DRAFT_DIR = REPO / ".cache" / "models" / "tiny-qwen3-dspark"
@@ -50,7 +52,11 @@ BASE_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_HOST_IP": "127.0.0.1",
+    # a process killed by a fatal signal prints every thread's stack (start_faults)
+    "PYTHONFAULTHANDLER": "1",
 }
+# (command, reason, evidence) of each engine start that got one more try
+START_RETRIES: list[tuple[str, str, str]] = []
 
 
 def clean_env(**overrides: str) -> dict[str, str]:
@@ -78,9 +84,6 @@ def vllm_cache_root(pythonpath: list[str] | tuple[str, ...]) -> str:
     return str(REPO / ".cache" / "vllm-cache" / "venv")
 
 
-PORT_RACE = "EADDRINUSE"
-
-
 def run_python(
     args: list[str],
     *,
@@ -102,14 +105,17 @@ def run_python(
             text=True,
             timeout=timeout,
         )
-        # vLLM picks a free port for torch.distributed by binding port 0 and closing it,
-        # so two engines starting at once can both take the same one; that start-up
-        # race (nothing of the overlay's) gets one more try
-        if result.returncode == 0 or PORT_RACE not in result.stdout + result.stderr:
+        # the start-up failures that are vLLM's or the machine's get one more try,
+        # reported at the end of the session (start_faults)
+        output = result.stdout + result.stderr
+        reason = start_faults.retry_reason(output) if result.returncode != 0 else None
+        if reason is None:
             break
+        START_RETRIES.append((" ".join(map(str, args)), reason, start_faults.evidence(output)))
     if check and result.returncode != 0:
         raise AssertionError(
             f"{args} exited {result.returncode}\n--- error lines\n{error_lines(result)}"
+            f"\n--- fault evidence\n{start_faults.evidence(result.stdout + result.stderr)}"
             f"\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-8000:]}"
         )
     return result
@@ -319,7 +325,13 @@ def timed(label: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Each pool job's wall time (two ran at a time): where the engine time went."""
+    """Each engine start that got one more try, with its evidence; each pool job's
+    wall time (two ran at a time): where the engine time went."""
+    if START_RETRIES:
+        terminalreporter.section(f"engine starts retried: {len(START_RETRIES)}")
+        for command, reason, found in START_RETRIES:
+            terminalreporter.write_line(f"{reason}: {command}")
+            terminalreporter.write_line(found or "(no fatal-signal or kernel fault lines)")
     if not ENGINE_RUN_SECONDS:
         return
     total = sum(seconds for _, seconds in ENGINE_RUN_SECONDS)

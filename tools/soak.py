@@ -68,12 +68,12 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
+import start_faults  # noqa: E402
 from serve_check import free_port, server_metrics, wait_healthy  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 ASYNC_PLUGIN = REPO / "tools" / "cpu_async_plugin"
 ASYNC_KEPT = "vllm_v4_cpu_async: async scheduling kept on"
-PORT_RACE = "EADDRINUSE"
 MAX_MODEL_LEN = 256
 DEADLINE_S = 120  # per request: a request without an answer by then is lost
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
@@ -249,15 +249,18 @@ class Server:
 
 
 def started(server: Server) -> bool:
-    """Whether the server came up; False where it lost vLLM's start-up port race
-    (torch.distributed's port is found free, released, then bound: two engines
-    starting at once can pick the same one), which deserves one more try."""
+    """Whether the server came up; False where its start failed in one of the ways
+    that are vLLM's or the machine's (start_faults), which deserve one more try: the
+    reason and its evidence are printed."""
     try:
         wait_healthy(server.base, server.process)
     except RuntimeError:
-        if PORT_RACE in server.stop():
-            return False
-        raise
+        log = server.stop()
+        reason = start_faults.retry_reason(log)
+        if reason is None:
+            raise
+        print(f"start retried, {server.name}: {reason}\n{start_faults.evidence(log)}", flush=True)
+        return False
     return True
 
 
