@@ -136,6 +136,8 @@ def probe_cell(patch: Patch, version: str, source: TreeSource) -> dict[str, str]
     cell = {"outcome": found.verdict, "detail": found.detail}
     if found.variant:
         cell["variant"] = found.variant
+    if found.aspects:
+        cell["aspects"] = dict(found.aspects)
     return cell
 
 
@@ -201,7 +203,9 @@ def differences(committed: dict, fresh: dict) -> list[str]:
 def _answer(cell: dict | None) -> str:
     if cell is None:
         return "nothing (no cell)"
-    return cell["outcome"] + (f" ({cell['variant']})" if cell.get("variant") else "")
+    named = [cell["variant"]] if cell.get("variant") else []
+    named += [f"{name}: {value}" for name, value in sorted(cell.get("aspects", {}).items())]
+    return cell["outcome"] + (f" ({'; '.join(named)})" if named else "")
 
 
 def _vkey(version: str):  # noqa: ANN202

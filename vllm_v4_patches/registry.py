@@ -70,6 +70,9 @@ class ProbeResult:
     detail: str
     variant: str | None = None  # which target (or runner) the verdict is about
     facts: dict[str, str] = field(default_factory=dict)  # handed to apply()
+    # further per-release answers the matrix records and checks beside the verdict
+    # (dspark's DeepSeek-V4 route), shown as "name: value"
+    aspects: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def per_runner(cls, verdicts: dict[str, Verdict]) -> ProbeResult:

@@ -36,6 +36,20 @@ DRAFTS_METHOD = "take_draft_token_ids"
 STEP_METHOD = "execute_model"
 METADATA_METHOD = "_build_attention_metadata"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+# vLLM's DeepSeek-V4 draft class (0.25+), which the V1 route for a V4 checkpoint's own
+# stages (v4_proposer) drafts through, and the methods that route calls on it
+V4_DRAFT_MODULE = "vllm.models.deepseek_v4.nvidia.dspark"
+V4_DRAFT_CLASS = "DSparkDeepseekV4ForCausalLM"
+V4_DRAFT_METHODS = (
+    "combine_hidden_states",
+    "get_draft_kv_cache_layer_names",
+    "precompute_and_store_context_kv",
+)
+V4_TARGET_ARCHITECTURE = "DeepseekV4ForCausalLM"
+# the matrix's "v4" aspect: where a V4 checkpoint's own stages can be drafted on V1
+V4_ROUTE_CLASS = "vllm-class"  # through vLLM's V4 draft class (opt-in)
+V4_ROUTE_NO_CLASS = "no-draft-class"  # V4 is there, its draft class is not: refused
+V4_ROUTE_NO_V4 = "no-v4"  # the release has no DeepSeek-V4
 # the runner module's drafter classes, bound to the DSpark drafter's builder while a
 # DSpark runner's __init__ runs
 DRAFTER_NAMES = ("EagleProposer", "DFlashProposer")
@@ -185,7 +199,24 @@ def probe(source: SourceReader) -> ProbeResult:
         return ProbeResult("absent", "no dspark method, and no DFlash Qwen3 draft to build on")
     variant = "+".join(routes) or "no-config-gate"
     facts["routes"] = routes
-    return ProbeResult("needed", f"config: {variant}", variant=variant, facts=facts)
+    v4_route = v4_draft_route(source)
+    facts["v4_route"] = v4_route
+    return ProbeResult(
+        "needed", f"config: {variant}", variant=variant, facts=facts, aspects={"v4": v4_route}
+    )
+
+
+def v4_draft_route(source: SourceReader) -> str:
+    """Whether a DeepSeek-V4 checkpoint's own DSpark stages can be drafted on V1 here:
+    vLLM's V4 draft class with every method the overlay's V4 drafter calls, or why not."""
+    registry = source.read(REGISTRY_MODULE) or ""
+    if f'"{V4_TARGET_ARCHITECTURE}"' not in registry:
+        return V4_ROUTE_NO_V4
+    text = source.read(V4_DRAFT_MODULE)
+    draft = find_class(ast.parse(text), V4_DRAFT_CLASS) if text else None
+    if draft is None or any(find_method(draft, name) is None for name in V4_DRAFT_METHODS):
+        return V4_ROUTE_NO_CLASS
+    return V4_ROUTE_CLASS
 
 
 def _taps_from_dflash_config_only(source: SourceReader) -> bool:
@@ -325,4 +356,13 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
     for module in JIT_MONITOR_MODULES:
         patcher.wrap_when_imported(module, "", "activate", warmup.hold_jit_monitor)
     done.append(f"{how} EngineCore.__init__ (warm-up), jit_monitor.activate")
+    done.append(V4_ROUTE_SHOWN[found.facts.get("v4_route", V4_ROUTE_NO_V4)])
     return "; ".join(done)
+
+
+V4_ROUTE_SHOWN = {
+    V4_ROUTE_CLASS: "DeepSeek-V4's own stages: drafted on V1 through vLLM's V4 draft class "
+    "where VLLM_V4_DSPARK_V4_ON_V1=on, else refused in one line",
+    V4_ROUTE_NO_CLASS: "DeepSeek-V4's own stages: refused on V1 (no usable V4 draft class)",
+    V4_ROUTE_NO_V4: "no DeepSeek-V4 in this vLLM",
+}

@@ -204,10 +204,13 @@ def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
     if not has_v4_draft_class():
         from vllm import __version__
 
+        from vllm_v4_patches.dspark import V4_DRAFT_MODULE
+
         raise ValueError(
             f"speculative_config.model={draft}: the DSpark stages inside a DeepSeek-V4 "
             f"checkpoint need vLLM's DeepSeek-V4 draft class ({V4_DRAFT_MODULE}, vLLM "
-            f">= 0.25); vLLM {__version__} has none, so vllm_v4_patches drafts only "
+            f">= 0.25); vLLM {__version__} has none that the overlay's V4 drafter can "
+            "use, so vllm_v4_patches drafts only "
             "DeepSpec-format DSpark drafts here"
         )
     choice = read_choice(V4_ON_V1_SETTING, V4_ON_V1_CHOICES, "refusing the V1 route")
@@ -220,16 +223,12 @@ def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
         )
 
 
-V4_DRAFT_MODULE = "vllm.models.deepseek_v4.nvidia.dspark"
-
-
 def has_v4_draft_class() -> bool:
-    import importlib.util
+    """The probe's answer for the installed vLLM (``dspark.v4_draft_route``)."""
+    from vllm_v4_patches.dspark import V4_ROUTE_CLASS, v4_draft_route
+    from vllm_v4_patches.sources import InstalledSource
 
-    try:
-        return importlib.util.find_spec(V4_DRAFT_MODULE) is not None
-    except ImportError:  # a parent package that is not there
-        return False
+    return v4_draft_route(InstalledSource()) == V4_ROUTE_CLASS
 
 
 def warn_past_block(num_tokens: int | None, block_size: int, draft: str) -> bool:

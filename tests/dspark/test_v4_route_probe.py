@@ -1,0 +1,66 @@
+"""The dspark probe's DeepSeek-V4 aspect: where a V4 checkpoint's own stages can be
+drafted on V1, read from source trees written here (each release's real answer is
+in the matrix, which tests/core/test_compat.py checks against every release)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_v4_patches import compat
+from vllm_v4_patches.dspark import (
+    V4_DRAFT_METHODS,
+    V4_ROUTE_CLASS,
+    V4_ROUTE_NO_CLASS,
+    V4_ROUTE_NO_V4,
+    v4_draft_route,
+)
+from vllm_v4_patches.sources import TreeSource
+
+REGISTRY = "vllm/model_executor/models/registry.py"
+DRAFT = "vllm/models/deepseek_v4/nvidia/dspark.py"
+WITH_V4 = '_MODELS = {"DeepseekV4ForCausalLM": ("vllm.models.deepseek_v4", "X")}\n'
+
+
+def tree(root: Path, files: dict[str, str]) -> TreeSource:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return TreeSource(str(root))
+
+
+def draft_class(methods: tuple[str, ...]) -> str:
+    body = "".join(f"    def {name}(self):\n        pass\n" for name in methods)
+    return f"class DSparkDeepseekV4ForCausalLM:\n{body or '    pass'}\n"
+
+
+def test_a_release_without_deepseek_v4_says_so(tmp_path):
+    source = tree(tmp_path, {REGISTRY: '_MODELS = {"LlamaForCausalLM": ("llama", "L")}\n'})
+    assert v4_draft_route(source) == V4_ROUTE_NO_V4
+
+
+def test_v4_without_its_draft_module_has_no_route(tmp_path):
+    assert v4_draft_route(tree(tmp_path, {REGISTRY: WITH_V4})) == V4_ROUTE_NO_CLASS
+
+
+@pytest.mark.parametrize("missing", V4_DRAFT_METHODS)
+def test_a_draft_class_missing_a_method_the_v1_drafter_calls_has_no_route(tmp_path, missing):
+    methods = tuple(name for name in V4_DRAFT_METHODS if name != missing)
+    source = tree(tmp_path, {REGISTRY: WITH_V4, DRAFT: draft_class(methods)})
+    assert v4_draft_route(source) == V4_ROUTE_NO_CLASS
+
+
+def test_the_full_draft_class_is_the_route(tmp_path):
+    source = tree(tmp_path, {REGISTRY: WITH_V4, DRAFT: draft_class(V4_DRAFT_METHODS)})
+    assert v4_draft_route(source) == V4_ROUTE_CLASS
+
+
+def test_the_matrix_records_the_route_and_tells_releases_apart():
+    """Before 0.25 V4 has no draft class; from 0.25 the overlay's V1 route has one.
+    The aspect is part of the answer the sweep compares."""
+    rows = compat.load_matrix()["versions"]
+    assert rows["0.24.0"]["patches"]["dspark"]["aspects"] == {"v4": V4_ROUTE_NO_CLASS}
+    assert rows["0.26.0"]["patches"]["dspark"]["aspects"] == {"v4": V4_ROUTE_CLASS}
+    changed = {**rows["0.26.0"]["patches"]["dspark"], "aspects": {"v4": V4_ROUTE_NO_CLASS}}
+    assert compat._answer(changed) != compat._answer(rows["0.26.0"]["patches"]["dspark"])
