@@ -80,6 +80,7 @@ def generate(
     kv_cache_dtype: str | None = None,
     margins: bool = False,
     count_syncs: bool = False,
+    step_batches: tuple[int, ...] = (),
 ) -> dict:
     from vllm import SamplingParams
     from vllm.platforms import current_platform
@@ -135,6 +136,8 @@ def generate(
     checked = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     done = time.perf_counter()
+    # after the requests above, whose outputs the timers must not touch
+    step_times = time_steps(llm, step_batches, max_tokens) if step_batches else None
     syncs = None
     if count_syncs:
         syncs = (
@@ -160,6 +163,7 @@ def generate(
         "tokens_per_s": bench,
         "bench_ran_first": bool(bench),
         "host_syncs": syncs,
+        "step_times": step_times,
         "margins": (
             [top_two_margins(out.outputs[0].logprobs) for out in outputs] if margins else None
         ),
@@ -278,8 +282,134 @@ def install_sync_counter(worker) -> list[str]:  # noqa: ANN001
     return wrapped
 
 
+# what --step-times times in the worker: the target's forward and the draft step
+STEP_TIMED = (("runner", "_model_forward", "target"), ("drafter", "propose", "draft"))
+
+
+def install_step_timers(worker) -> list[str]:  # noqa: ANN001
+    """Runs in the worker: record each call of STEP_TIMED's methods (its role, the
+    batch's request count, its host time from call to return, and CUDA events around
+    it, read only when the records are: timing must not add a sync to the step).
+    The instance attribute shadows the class method for this process only."""
+    import functools
+
+    import torch
+
+    runner = worker.model_runner
+    owners = {"runner": runner, "drafter": getattr(runner, "drafter", None)}
+    records = runner.__dict__.setdefault("step_records", [])
+    on_cuda = torch.cuda.is_available() and str(runner.device).startswith("cuda")
+    wrapped = []
+    for owner_name, method_name, role in STEP_TIMED:
+        method = getattr(owners[owner_name], method_name, None)
+        if method is None:
+            continue
+
+        def timed(*args, _method=method, _role=role, **kwargs):  # noqa: ANN002, ANN003
+            events = None
+            if on_cuda:
+                events = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                events[0].record()
+            started = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                host_ms = (time.perf_counter() - started) * 1e3
+                if events:
+                    events[1].record()
+                reqs = runner.input_batch.num_reqs
+                records.append({"role": _role, "reqs": reqs, "host_ms": host_ms, "events": events})
+
+        setattr(owners[owner_name], method_name, functools.wraps(method)(timed))
+        wrapped.append(f"{owner_name}.{method_name}")
+    return wrapped
+
+
+def take_step_records(worker) -> list[dict]:  # noqa: ANN001
+    """Runs in the worker: the records since the last call, each with its device
+    time (None off CUDA), and forgets them."""
+    import torch
+
+    records = worker.model_runner.__dict__.get("step_records", [])
+    if any(record["events"] for record in records):
+        torch.cuda.synchronize()
+    taken = [
+        {
+            **{key: value for key, value in record.items() if key != "events"},
+            "device_ms": (
+                record["events"][0].elapsed_time(record["events"][1]) if record["events"] else None
+            ),
+        }
+        for record in records
+    ]
+    records.clear()
+    return taken
+
+
+def time_steps(llm, batches: tuple[int, ...], max_tokens: int) -> dict:  # noqa: ANN001
+    """Per batch size, the draft step against the target's forward of the same engine
+    step (``step_share``), from one untimed round and one timed round of greedy
+    requests that all run ``max_tokens`` tokens."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    wrapped = llm.collective_rpc(install_step_timers)[0]
+    figures: dict = {"timed": wrapped}
+    for batch in batches:
+        prompts = [f"def f{i}(" for i in range(batch)]
+        llm.generate(prompts, params, use_tqdm=False)
+        llm.collective_rpc(take_step_records)
+        llm.generate(prompts, params, use_tqdm=False)
+        figures[str(batch)] = step_share(llm.collective_rpc(take_step_records)[0], batch)
+    return figures
+
+
+def step_share(records: list[dict], batch: int) -> dict:
+    """Medians of the target forward's and the draft step's host and device times over
+    the decode steps that ran all ``batch`` requests, and the median over those steps
+    of draft time / target time (device time where there is one, else host time): a
+    paired ratio, each step's draft against its own target forward. A step is a
+    target forward and the draft step after it; the round's first step (the prefill)
+    is left out."""
+    import statistics
+
+    steps = []
+    for index, record in enumerate(records):
+        follower = records[index + 1] if index + 1 < len(records) else None
+        if record["role"] == "target" and follower and follower["role"] == "draft":
+            steps.append((record, follower))
+    decode = [(t, d) for t, d in steps[1:] if t["reqs"] == batch]
+    if not decode:
+        return {"steps": 0}
+    basis = "device_ms" if decode[0][0]["device_ms"] is not None else "host_ms"
+
+    def median(role: int, key: str) -> float | None:
+        values = [pair[role][key] for pair in decode if pair[role][key] is not None]
+        return statistics.median(values) if values else None
+
+    return {
+        "steps": len(decode),
+        "target_host_ms": median(0, "host_ms"),
+        "target_device_ms": median(0, "device_ms"),
+        "draft_host_ms": median(1, "host_ms"),
+        "draft_device_ms": median(1, "device_ms"),
+        "ratio_basis": basis,
+        "draft_over_target": statistics.median(d[basis] / t[basis] for t, d in decode),
+    }
+
+
 def read_sync_counts(worker) -> dict:  # noqa: ANN001
-    return dict(worker.model_runner.__dict__.get("sync_counts", {}))
+    """Runs in the worker: the counts, and the counted methods back to their class's
+    (a later timer must not time the counter's own work)."""
+    runner = worker.model_runner
+    for owner in (runner, getattr(runner, "drafter", None)):
+        for _, method_name in SYNC_COUNTED:
+            if owner is not None and method_name in vars(owner):
+                delattr(owner, method_name)
+    return dict(runner.__dict__.get("sync_counts", {}))
 
 
 def staging_probe_counts(worker) -> dict | None:  # noqa: ANN001
@@ -420,6 +550,13 @@ def main() -> None:
         action="store_true",
         help="count host synchronisations per metadata build and proposal (CUDA only)",
     )
+    parser.add_argument(
+        "--step-times",
+        type=int,
+        nargs="*",
+        default=[],
+        help="at these batch sizes, time each draft step against its target forward",
+    )
     args = parser.parse_args()
     if args.plan:
         with open(args.plan) as handle:
@@ -449,6 +586,7 @@ def main() -> None:
         kv_cache_dtype=args.kv_cache_dtype,
         margins=args.margins,
         count_syncs=args.count_syncs,
+        step_batches=tuple(args.step_times),
     )
     print("RESULT " + json.dumps(result))
 

@@ -89,7 +89,8 @@ def plan_target_alone(runs: ModuleRuns, inputs: Inputs) -> None:
 def plan_greedy(runs: ModuleRuns, inputs: Inputs) -> None:
     plan_target_alone(runs, inputs)
     status = inputs.scratch / "status"
-    add_dspark(runs, inputs, "greedy", "dspark", env={STATUS_DIR: str(status)})
+    # the step timers run after the greedy requests, in the same engine
+    add_dspark(runs, inputs, "greedy", "dspark", env={STATUS_DIR: str(status)}, step_batches=[1, 4])
 
 
 def mean_acceptance_length(counters: dict) -> float:
@@ -109,6 +110,22 @@ def test_greedy_dspark_is_lossless_with_real_acceptance(runs, no_speculation, hf
     documents = read_status_files(runs.inputs.scratch / "status")
     assert ROLES <= {doc["role"] for doc in documents}
     assert all(doc["patches"]["dspark"]["outcome"] == "applied" for doc in documents)
+
+
+def test_each_draft_step_is_timed_against_its_own_target_forward(runs):
+    """``generate.py --step-times`` (the figure the GPU suite takes for DeepSeek-V4):
+    every decode step of a round is one target forward and one draft step, so a
+    round of MAX_TOKENS tokens at N = 4 takes between (MAX_TOKENS - 1) / 5 steps
+    (every draft accepted) and MAX_TOKENS - 1 (none). On the CPU there is no device
+    time, and the ratio is of host times."""
+    figures = runs["greedy"]["step_times"]
+    assert figures["timed"] == ["runner._model_forward", "drafter.propose"]
+    for batch in ("1", "4"):
+        share = figures[batch]
+        assert (MAX_TOKENS - 1) / 5 <= share["steps"] <= MAX_TOKENS - 1, share
+        assert share["target_device_ms"] is None and share["ratio_basis"] == "host_ms"
+        assert share["target_host_ms"] > 0 and share["draft_host_ms"] > 0
+        assert share["draft_over_target"] > 0
 
 
 def plan_slots(runs: ModuleRuns, inputs: Inputs, slots: int) -> None:
@@ -408,6 +425,7 @@ def test_a_malformed_draft_config_fails_in_one_line_naming_the_key(runs):
 
 PLANS = {
     test_greedy_dspark_is_lossless_with_real_acceptance.__name__: plan_greedy,
+    test_each_draft_step_is_timed_against_its_own_target_forward.__name__: plan_greedy,
     test_other_block_sizes_are_lossless.__name__: plan_slots,
     test_switched_off_stock_rejects_dspark_on_v1.__name__: plan_switched_off,
     test_probabilistic_drafting_at_temperature_one.__name__: plan_sampled,

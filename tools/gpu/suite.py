@@ -42,6 +42,7 @@ PLAIN_LLAMA = MODELS / "tiny-llama-plain"
 # the shrunken DeepSeek-V4-Flash with its three DSpark stages, built here
 # (tools/build_tiny_v4.py; 1.5 GiB, more than a call carries)
 TINY_V4 = MODELS / "tiny-v4"
+STEP_BATCHES = ("1", "64")  # the batch sizes of the V4 step-time figures
 PLAIN_PLUGIN = REPO / "tools" / "plain_model_plugin"
 STAGING_PLUGIN = REPO / "tools" / "staging_probe_plugin"
 # the GPU sleep the staging probe enqueues before each drafter copy: a target step
@@ -150,7 +151,7 @@ def v4_jobs() -> list[Job]:
         Job("v4-dspark-stock", [*v4, *in_checkpoint], False, v2_env, min_version="0.26", part="v4"),
         Job(
             "v4-dspark-overlay-v1",
-            [*v4, *in_checkpoint, "--count-syncs"],
+            [*v4, *in_checkpoint, "--count-syncs", "--step-times", *STEP_BATCHES],
             True,
             overlay_env,
             part="v4",
@@ -612,6 +613,40 @@ def sync_figures(job: str) -> Check:
     return check
 
 
+def step_figures(job: str) -> Check:
+    """The draft step against the target's forward of the same engine step
+    (``generate.py --step-times``), per batch size, and per layer: the tiny V4 has
+    few target layers where the real one has 43, so the per-layer figures are the
+    ones that carry over (the issue's aim: a draft step at most 15% of a target step
+    at batch 1)."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        figures = result_of(outcomes, job).get("step_times")
+        if not figures:
+            raise Missing(f"{job} recorded no step_times (run with --step-times)")
+        config = json.loads((TINY_V4 / "config.json").read_text())
+        layers, stages = config["num_hidden_layers"], config["n_mtp_layers"]
+        parts, ok = [], True
+        for batch in STEP_BATCHES:
+            share = figures.get(batch, {"steps": 0})
+            ok = ok and share["steps"] > 0
+            if not share["steps"]:
+                parts.append(f"batch {batch}: no step")
+                continue
+            unit = "device" if share["ratio_basis"] == "device_ms" else "host"
+            target, draft = share[f"target_{unit}_ms"], share[f"draft_{unit}_ms"]
+            parts.append(
+                f"batch {batch}: draft/target {share['draft_over_target']:.3f} ({unit}, "
+                f"{share['steps']} steps); target {target:.3f} ms ({target / layers:.3f} per "
+                f"layer of {layers}), draft {draft:.3f} ms ({draft / stages:.3f} per stage of "
+                f"{stages}); host: target {share['target_host_ms']:.3f} ms, draft "
+                f"{share['draft_host_ms']:.3f} ms"
+            )
+        return ok, "; ".join(parts)
+
+    return check
+
+
 def acceptance_like(reference: str, job: str) -> Check:
     """Same weights, same prompts, greedy: drafts equal to the reference drafter's
     are accepted as often (scheduling may differ a little between runners)."""
@@ -967,6 +1002,9 @@ CHECKS: dict[str, Check] = {
         "v4-nospec-eager-again"
     ),
     "v4 (diagnostic): host syncs per step of the overlay's V4 drafter": sync_figures(
+        "v4-dspark-overlay-v1"
+    ),
+    "v4 (diagnostic): draft step against target forward, batch 1 and 64": step_figures(
         "v4-dspark-overlay-v1"
     ),
     "v4: the overlay's V1 drafts accept as stock V2's do": acceptance_like(

@@ -1,0 +1,52 @@
+"""The GPU suite's V4 step-time figure (``step_figures``), on records written here:
+the check reads what ``generate.py --step-times`` recorded (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "gpu"))
+
+import suite  # noqa: E402
+
+SHARE = {
+    "steps": 6,
+    "target_host_ms": 0.9,
+    "target_device_ms": 3.0,
+    "draft_host_ms": 0.6,
+    "draft_device_ms": 0.3,
+    "ratio_basis": "device_ms",
+    "draft_over_target": 0.1,
+}
+
+
+@pytest.fixture
+def tiny_v4(tmp_path, monkeypatch) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "n_mtp_layers": 3}))
+    monkeypatch.setattr(suite, "TINY_V4", tmp_path)
+
+
+def figure(step_times: dict | None) -> tuple[bool, str]:
+    outcome = suite.Outcome({"step_times": step_times}, [], "", 1.0, 0)
+    return suite.step_figures("job")({"job": outcome})
+
+
+def test_both_batches_give_the_ratio_and_the_per_layer_times(tiny_v4):
+    passed, text = figure({"1": SHARE, "64": {**SHARE, "draft_over_target": 0.2}})
+    assert passed
+    assert "batch 1: draft/target 0.100 (device, 6 steps)" in text
+    assert "target 3.000 ms (1.000 per layer of 3)" in text
+    assert "draft 0.300 ms (0.100 per stage of 3)" in text
+    assert "batch 64: draft/target 0.200" in text
+
+
+def test_a_batch_without_a_step_fails_and_a_run_without_timers_is_missing(tiny_v4):
+    passed, text = figure({"1": SHARE, "64": {"steps": 0}})
+    assert not passed and "batch 64: no step" in text
+    with pytest.raises(suite.Missing):
+        figure(None)
