@@ -22,6 +22,7 @@ import math
 import re
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -924,3 +925,58 @@ def test_bad_v4_checkpoints_are_refused_naming_the_key_or_tensor(
     assert len(weights_only) == 2
     for checkpoint in weights_only:
         assert validate_draft_checkpoint(stand_in_config(checkpoint), runner="V2") == ()
+
+
+# --- the confidence head vLLM's V4 class drops ----------------------------------------
+
+
+class StandInV4Draft(torch.nn.Module):
+    """What ``attach_confidence_head`` touches on vLLM's V4 draft class (``config``,
+    an inner ``model``); the class itself builds only with CUDA kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(hidden_size=tiny.HIDDEN)
+        self.model = torch.nn.Module()
+
+
+def test_the_v4_confidence_head_is_read_and_scores_as_its_definition(built: Path) -> None:
+    """The overlay's V4 drafter scores ``c_k = sigmoid(w . [h_k ; W1[prev_k]])`` with
+    the checkpoint's bf16 ``[1, H + r]`` weight and no bias; checked against the file's
+    own bytes and a float64 evaluation (tolerance 1e-5, the head runs in float32)."""
+    from vllm_v4_patches.dspark import sampling
+    from vllm_v4_patches.dspark.checkpoint import read_v4_confidence_weight
+    from vllm_v4_patches.dspark.v4_proposer import attach_confidence_head
+
+    spec = load_draft_spec(built)
+    weight = read_v4_confidence_weight(str(built), spec)
+    dtype, raw = read_tensor(built, "mtp.2.confidence_head.proj.weight")
+    assert dtype == "BF16" and weight.dtype == torch.bfloat16
+    assert torch.equal(weight.view(torch.uint8).reshape(raw.shape), raw)
+    assert tuple(weight.shape) == (1, tiny.HIDDEN + tiny.MARKOV_RANK)
+
+    draft = StandInV4Draft()
+    attach_confidence_head(draft, weight, "cpu")
+    generator = torch.Generator().manual_seed(3)
+    batch, slots = 2, 5
+    hidden = torch.randn(batch * slots, tiny.HIDDEN, generator=generator).bfloat16()
+    markov = [
+        torch.randn(batch, tiny.MARKOV_RANK, generator=generator).bfloat16() for _ in range(slots)
+    ]
+    scored = sampling._confidence(draft, hidden, markov, batch)
+    assert scored.shape == (batch, slots) and scored.dtype == torch.float32
+    features = torch.cat([hidden, torch.stack(markov, dim=1).flatten(0, 1)], dim=-1).double()
+    expected = torch.sigmoid(features @ weight.double().reshape(-1)).view(batch, slots)
+    assert torch.allclose(scored.double(), expected, atol=1e-5)
+    # a head scored without the Markov half, or with a bias, would not match
+    hidden_only = torch.sigmoid(hidden.double() @ weight.double().reshape(-1)[: tiny.HIDDEN])
+    assert not torch.allclose(scored.double().flatten(), hidden_only, atol=1e-3)
+
+
+def test_a_config_that_switches_the_head_off_reads_no_weight(built: Path, tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from vllm_v4_patches.dspark.checkpoint import read_v4_confidence_weight
+
+    spec = replace(load_draft_spec(built), enable_confidence_head=False)
+    assert read_v4_confidence_weight(str(built), spec) is None

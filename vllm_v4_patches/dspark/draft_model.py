@@ -44,6 +44,29 @@ def __getattr__(name: str) -> Any:
 
 
 @functools.cache
+def confidence_head_class() -> type:
+    """The confidence head's module (torch only): one logit per slot from the slot's
+    hidden state, with the Markov embedding of the previous token where
+    ``with_markov``. DeepSpec heads have a bias; DeepSeek-V4's has none."""
+    import torch
+    from torch import nn
+
+    class ConfidenceHead(nn.Module):
+        def __init__(self, input_dim: int, with_markov: bool, bias: bool = True) -> None:
+            super().__init__()
+            self.with_markov = with_markov
+            # float32 whatever the model dtype: it is one logit per slot, and the
+            # verify-length choice compares products of these probabilities
+            self.proj = nn.Linear(input_dim, 1, bias=bias, dtype=torch.float32)
+
+        def forward(self, hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
+            features = torch.cat([hidden, markov_embed], dim=-1) if self.with_markov else hidden
+            return self.proj(features.float()).squeeze(-1)
+
+    return ConfidenceHead
+
+
+@functools.cache
 def draft_model_class() -> type:
     import torch
     from torch import nn
@@ -86,17 +109,7 @@ def draft_model_class() -> type:
             joint = self.joint_proj
             return draft_math.rnn_features(code, hidden, state, joint.weight, joint.bias)
 
-    class ConfidenceHead(nn.Module):
-        def __init__(self, input_dim: int, with_markov: bool) -> None:
-            super().__init__()
-            self.with_markov = with_markov
-            # float32 whatever the model dtype: it is one logit per slot, and the
-            # verify-length choice compares products of these probabilities
-            self.proj = nn.Linear(input_dim, 1, bias=True, dtype=torch.float32)
-
-        def forward(self, hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
-            features = torch.cat([hidden, markov_embed], dim=-1) if self.with_markov else hidden
-            return self.proj(features.float()).squeeze(-1)
+    ConfidenceHead = confidence_head_class()
 
     class DSparkQwen3ForCausalLM(DFlashQwen3ForCausalLM):
         """vLLM's DFlash Qwen3 draft with DSpark's Markov and confidence heads."""

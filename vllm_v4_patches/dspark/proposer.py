@@ -150,6 +150,7 @@ def proposer_class() -> type:
             serve_with_overlay_class_where_needed(draft_config, self.verification is not None)
             super().load_model(target_model)
             fix_context_k_norm(self.model)
+            self.load_confidence_head()
             self.markov_graphs = self._greedy_stage_graphs()
             if self.verification is not None and not _scores_confidence(self.model):
                 from vllm_v4_patches.dspark import verify
@@ -160,6 +161,10 @@ def proposer_class() -> type:
                     verify.MODE_SETTING,
                 )
                 self.verification = None
+
+        def load_confidence_head(self) -> None:
+            """Where the draft class leaves its checkpoint's confidence head unloaded,
+            load it (the DeepSpec classes load their own)."""
 
         def _greedy_stage_graphs(self) -> Any:
             from vllm_v4_patches.dspark import graphs, sampling

@@ -36,6 +36,28 @@ def drafts_deepseek_v4(hf_config: Any) -> bool:
     return hasattr(hf_config, "dspark_block_size") and hasattr(hf_config, "hc_mult")
 
 
+def attach_confidence_head(model: Any, weight: Any, device: Any) -> None:
+    """Give vLLM's V4 draft model the checkpoint's confidence head (``[1, H + r]``, no
+    bias, scored in float32 from the pre-norm head hidden state and the previous
+    token's Markov embedding), where the drafter looks for one: ``model.model.
+    confidence_head`` and ``model.compute_confidence``."""
+    import torch
+
+    from vllm_v4_patches.dspark.draft_model import confidence_head_class
+
+    hidden_size = model.config.hidden_size
+    head = confidence_head_class()(weight.shape[-1], weight.shape[-1] != hidden_size, bias=False)
+    with torch.no_grad():
+        head.proj.weight.copy_(weight.reshape(1, -1).float())
+    head = head.to(device)
+    model.model.confidence_head = head
+
+    def compute_confidence(hidden_states: Any, markov_embed: Any) -> Any:
+        return torch.sigmoid(head(hidden_states, markov_embed))
+
+    model.compute_confidence = compute_confidence
+
+
 @dataclass
 class DraftGroup:
     """The draft layers one KV cache group holds, and this step's slots in it."""
@@ -107,6 +129,20 @@ def v4_proposer_class() -> type:
 
         def model_returns_tuple(self) -> bool:
             return False
+
+        def load_confidence_head(self) -> None:
+            # vLLM's V4 class drops the head's tensor; a local checkpoint's is read here
+            import os
+
+            from vllm_v4_patches.dspark import checkpoint
+
+            path = self.draft_model_config.model
+            if not os.path.isdir(path):
+                return
+            spec = checkpoint.draft_spec(self.draft_model_config.hf_config)
+            weight = checkpoint.read_v4_confidence_weight(path, spec)
+            if weight is not None:
+                attach_confidence_head(self.model, weight, self.device)
 
         def propose(self, **kwargs: Any) -> Any:
             # main_x from the taps, then the base propose with DFlash's own

@@ -62,6 +62,7 @@ from vllm_v4_patches.dspark.checkpoint.v4_weights import (
     check_v4_weights,
     dspark_v4_weight_role,
     group_dspark_v4_weights,
+    read_v4_confidence_weight,
 )
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "check_deepspec_weights",
     "check_v4_entries",
     "check_v4_weights",
+    "read_v4_confidence_weight",
     "deepspec_qwen3_weight_shapes",
     "draft_spec",
     "dspark_v4_weight_role",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_v4_patches.dspark.checkpoint.spec import V4_KEY_NAMES, WEIGHTS_ERROR, DSparkDraftSpec
 
@@ -193,6 +194,28 @@ def check_v4_weights(path: str, spec: DSparkDraftSpec) -> DSparkV4WeightLayout:
             if name.startswith("mtp.")
         )
     return check_v4_entries(entries, spec)
+
+
+def read_v4_confidence_weight(path: str, spec: DSparkDraftSpec) -> Any | None:
+    """The last stage's ``confidence_head.proj.weight`` (``[1, H + r]``) as a tensor,
+    or None where the config switches the head off or the checkpoint has none.
+    vLLM's V4 draft class drops this tensor; the overlay's V4 drafter scores it."""
+    import glob
+    import os
+
+    from vllm_v4_patches.dspark.checkpoint.deepspec_weights import safetensors_entries
+
+    layout = check_v4_weights(path, spec)
+    if not (spec.enable_confidence_head and layout.has_confidence_head):
+        return None
+    name = _weight_tensor(layout.heads["confidence_head"])
+    for file in sorted(glob.glob(os.path.join(os.fspath(path), "*.safetensors"))):
+        if name in safetensors_entries(file):
+            from safetensors import safe_open
+
+            with safe_open(file, framework="pt") as tensors:
+                return tensors.get_tensor(name)
+    return None
 
 
 def check_v4_entries(
