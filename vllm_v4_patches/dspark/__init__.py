@@ -131,12 +131,15 @@ RECORD = PatchRecord(
         "monitor (0.24+) back until the first step without them, and the drafter's "
         "counters restart there. "
         "A DeepSeek-V4 checkpoint's own stages (opt-in and unproven, "
-        "VLLM_V4_DSPARK_V4_ON_V1=on; refused in one line otherwise and before 0.25): "
+        "VLLM_V4_DSPARK_V4_ON_V1=on; refused in one line otherwise and where the "
+        "source has no usable V4 draft class, the matrix's v4 aspect): "
         "dspark.v4_proposer drafts them on V1 through vLLM's V4 draft class, with the "
         "context buffer H wide (main_x, not hc_mult * H), the taps combined before the "
         "base propose, one attention group per KV cache group holding a draft layer "
-        "(vLLM's V4 grouping splits the draft's sliding-window caches), and each "
-        "group's context and query slots computed from its own block table."
+        "(vLLM's V4 grouping splits the draft's sliding-window caches), each "
+        "group's context and query slots computed from its own block table, and the "
+        "checkpoint's confidence head (which vLLM's class drops) read from a local "
+        "checkpoint and scored for confidence-scheduled verification."
     ),
     upstream=(
         "vllm-project/vllm#46995: DSpark (V2 only), first in 0.25.0",
