@@ -81,6 +81,12 @@ def generate(
     margins: bool = False,
     count_syncs: bool = False,
     step_batches: tuple[int, ...] = (),
+    phases: bool = False,
+    max_num_batched_tokens: int | None = None,
+    num_blocks: int | None = None,
+    max_model_len: int = 256,
+    max_num_seqs: int | None = None,
+    alone: int | None = None,
 ) -> dict:
     from vllm import SamplingParams
     from vllm.platforms import current_platform
@@ -110,6 +116,10 @@ def generate(
         async_scheduling=async_scheduling,
         **({"compilation_config": {"cudagraph_mode": cudagraph_mode}} if cudagraph_mode else {}),
         **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}),
+        **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}),
+        **({"num_gpu_blocks_override": num_blocks} if num_blocks else {}),
+        **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
+        max_model_len=max_model_len,
         disable_log_stats=False,
     )
     ready = time.perf_counter()
@@ -136,6 +146,7 @@ def generate(
     checked = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     done = time.perf_counter()
+    served_phases = run_phases(llm, prompts, params, max_tokens, alone) if phases else None
     # after the requests above, whose outputs the timers must not touch
     step_times = time_steps(llm, step_batches, max_tokens) if step_batches else None
     syncs = None
@@ -164,6 +175,8 @@ def generate(
         "bench_ran_first": bool(bench),
         "host_syncs": syncs,
         "step_times": step_times,
+        "phases": served_phases,
+        "preemptions": metric_value(llm, "vllm:num_preemptions"),
         "margins": (
             [top_two_margins(out.outputs[0].logprobs) for out in outputs] if margins else None
         ),
@@ -457,6 +470,73 @@ def engine_window(outputs: list) -> float | None:
     return max(s.last_token_ts for s in stats) - min(s.queued_ts for s in stats)
 
 
+def run_phases(
+    llm: Any, prompts: list[str], params: list, max_tokens: int, alone_count: int | None
+) -> dict:
+    """The same requests served again in the same engine, in the shapes the lossless
+    matrix asks for: each prompt alone (batch 1; the first ``alone_count``), and each
+    behind one shared prefix of at least three KV blocks, twice, the second pass
+    measured for prefix-cache hits (vLLM does not reuse the last matched block where
+    the drafter reads the target's hidden states, so one block is not enough)."""
+
+    def served(batch: list[str], batch_params: list) -> list:
+        return llm.generate(batch, batch_params, use_tqdm=False)
+
+    pairs = list(zip(prompts, params, strict=True))[:alone_count]
+    alone = [served([prompt], [param])[0] for prompt, param in pairs]
+    prefix = shared_prefix(llm, max_tokens)
+    prefixed = [prefix + prompt for prompt in prompts]
+    served(prefixed, params)
+    queries, hits = prefix_cache_counts(llm)
+    second = served(prefixed, params)
+    queries_after, hits_after = prefix_cache_counts(llm)
+    return {
+        "kv_block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+        "alone": phase_record(alone),
+        "shared_prefix": {
+            **phase_record(second),
+            "prefix_tokens": len(llm.get_tokenizer().encode(prefix)),
+            "prefix_queries": queries_after - queries,
+            "prefix_hits": hits_after - hits,
+        },
+    }
+
+
+def phase_record(outputs: list) -> dict:
+    return {
+        "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
+        "margins": [top_two_margins(out.outputs[0].logprobs) for out in outputs],
+    }
+
+
+def shared_prefix(llm, max_tokens: int) -> str:  # noqa: ANN001
+    """A text of at least three KV blocks of the engine's block size (fewer where the
+    context cannot hold them beside the longest answer)."""
+    config = llm.llm_engine.vllm_config
+    room = config.model_config.max_model_len - max_tokens - 32
+    wanted = min(3 * config.cache_config.block_size + 1, room)
+    tokenizer = llm.get_tokenizer()
+    lines = []
+    while len(tokenizer.encode("".join(lines))) < wanted:
+        lines.append(f"# shared context, line {len(lines)}: the same for every request\n")
+    return "".join(lines)
+
+
+def prefix_cache_counts(llm) -> tuple[float, float]:  # noqa: ANN001
+    """vLLM's prefix-cache counters: tokens queried and tokens hit, so far."""
+    return (
+        metric_value(llm, "vllm:prefix_cache_queries") or 0.0,
+        metric_value(llm, "vllm:prefix_cache_hits") or 0.0,
+    )
+
+
+def metric_value(llm, name: str) -> float | None:  # noqa: ANN001
+    for metric in llm.get_metrics():
+        if metric.name == name and hasattr(metric, "value"):
+            return metric.value
+    return None
+
+
 def spec_decode_counters(llm) -> dict:  # noqa: ANN001
     """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens)."""
     counters = {}
@@ -557,6 +637,16 @@ def main() -> None:
         default=[],
         help="at these batch sizes, time each draft step against its target forward",
     )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="serve the prompts again: each alone, then twice behind a shared prefix",
+    )
+    parser.add_argument("--max-num-batched-tokens", type=int, help="small: chunked prefill")
+    parser.add_argument("--num-blocks", type=int, help="KV blocks (few: the scheduler preempts)")
+    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, help="at most --max-num-batched-tokens")
+    parser.add_argument("--alone", type=int, help="with --phases: this many prompts alone")
     args = parser.parse_args()
     if args.plan:
         with open(args.plan) as handle:
@@ -587,6 +677,12 @@ def main() -> None:
         margins=args.margins,
         count_syncs=args.count_syncs,
         step_batches=tuple(args.step_times),
+        phases=args.phases,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        alone=args.alone,
     )
     print("RESULT " + json.dumps(result))
 

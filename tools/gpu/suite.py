@@ -85,9 +85,10 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     min_version: str = "0"
     below_version: str = "99"  # diagnostics for one release line
-    # "extra": run by a second call (one call is at most 10 minutes); "v4" (eager)
-    # and "v4-compiled" (CUDA graphs: a call of their own, their capture is long):
-    # only when asked for, on a release staged with DeepSeek-V4's kernels (--v4)
+    # "extra": run by a second call (one call is at most 10 minutes); "v4" (eager),
+    # "v4-compiled" (CUDA graphs: a call of their own, their capture is long) and
+    # "v4-matrix" (the lossless matrix): only when asked for, on a release staged
+    # with DeepSeek-V4's kernels (--v4)
     part: str = "core"
     timeout: float = 480
     alone: bool = False  # a timing job: runs after the others, with the GPU to itself
@@ -125,6 +126,36 @@ V4_PROMPTS = (
 )
 
 
+# The lossless matrix on DeepSeek-V4 (a call of its own): 16 prompts, each engine
+# serving them as one batch, the first four alone and all behind a shared prefix
+# twice (generate.py --phases), with chunked prefill (64-token steps) and a KV cache
+# of 12 blocks, which 16 answers of 280 tokens outgrow whatever V4's block size up
+# to 256, so the scheduler preempts; N = 1, 3 and 5 against one reference.
+V4_MATRIX_PROMPTS = V4_PROMPTS + (
+    "while True:",
+    "return the",
+    "In the beginning",
+    "if __name__ ==",
+    "A list of",
+    "try:\n    import",
+    "The weather today",
+    "x = [",
+)
+V4_MATRIX = ["--phases", "--alone", "4", "--max-num-batched-tokens", "64", "--max-num-seqs", "16"]
+V4_MATRIX += ["--num-blocks", "12", "--max-tokens", "280", "--max-model-len", "512"]
+V4_MATRIX_SPEC_TOKENS = ("1", "3", "5")
+
+
+def v4_matrix_jobs(v4: list[str], v1_env: dict, overlay_env: dict) -> list[Job]:
+    # the --prompts and --max-tokens given later win (argparse keeps the last)
+    matrix = [*v4, "--prompts", *V4_MATRIX_PROMPTS, *V4_MATRIX]
+    jobs = [Job("v4-matrix-reference", [*matrix, "--margins"], False, v1_env, part="v4-matrix")]
+    for n in V4_MATRIX_SPEC_TOKENS:
+        spec = ["--dspark", str(TINY_V4), "--spec-tokens", n]
+        jobs.append(Job(f"v4-matrix-n{n}", [*matrix, *spec], True, overlay_env, part="v4-matrix"))
+    return jobs
+
+
 def v4_jobs() -> list[Job]:
     """The shrunken DeepSeek-V4 (real widths, real checkpoint format), bfloat16 with
     its fp8 attention and fp4 experts, eager and compiled, on the V1 runner; and with
@@ -156,6 +187,7 @@ def v4_jobs() -> list[Job]:
             overlay_env,
             part="v4",
         ),
+        *v4_matrix_jobs(v4, v1_env, overlay_env),
         Job(
             "v4-dspark-overlay-v1-compiled",
             [*v4, *in_checkpoint, "--no-eager"],
@@ -563,19 +595,54 @@ def same_until_near_tie(reference: str, other: str) -> Check:
     pick the reference made by less than NEAR_TIE nats (and is not compared after)."""
 
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
-        ref, got = result_of(outcomes, reference), result_of(outcomes, other)
-        parted = divergences(ref, got)
-        total = sum(len(tokens) for tokens in ref["token_ids"])
-        compared = total - sum(
-            len(ref["token_ids"][0]) - position for position, _ in parted
-        )  # equal lengths: ignore_eos with one max_tokens
-        ok = all(gap is not None and gap < NEAR_TIE for _, gap in parted)
-        where = [(p, None if gap is None else round(gap, 4)) for p, gap in parted]
-        return ok, (
-            f"{len(ref['token_ids']) - len(parted)}/{len(ref['token_ids'])} sequences equal; "
-            f"parted at (position, reference gap in nats) {where}; "
-            f"{compared}/{total} tokens compared"
+        return near_tie_verdict(result_of(outcomes, reference), result_of(outcomes, other))
+
+    return check
+
+
+def near_tie_verdict(ref: dict, got: dict) -> tuple[bool, str]:
+    """``same_until_near_tie`` on two records of ``token_ids`` (and the reference's
+    ``margins``)."""
+    parted = divergences(ref, got)
+    total = sum(len(tokens) for tokens in ref["token_ids"])
+    compared = total - sum(
+        len(ref["token_ids"][0]) - position for position, _ in parted
+    )  # equal lengths: ignore_eos with one max_tokens
+    ok = all(gap is not None and gap < NEAR_TIE for _, gap in parted)
+    where = [(p, None if gap is None else round(gap, 4)) for p, gap in parted]
+    return ok, (
+        f"{len(ref['token_ids']) - len(parted)}/{len(ref['token_ids'])} sequences equal; "
+        f"parted at (position, reference gap in nats) {where}; "
+        f"{compared}/{total} tokens compared"
+    )
+
+
+def lossless_in_every_phase(reference: str, job: str) -> Check:
+    """The lossless matrix of one engine (``generate.py --phases``): greedy tokens
+    equal up to near-ties in the batch (chunked prefill, and the preemptions a small
+    KV cache forces), for prompts served alone, and behind a shared prefix served the
+    second time; and those shapes really happened in ``job``: preemptions, and
+    prefix-cache hits with speculation on."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        ref, got = result_of(outcomes, reference), result_of(outcomes, job)
+        if not got.get("phases") or not ref.get("phases"):
+            raise Missing(f"{reference} or {job} served no phases (run with --phases)")
+        parts, ok = [], True
+        for name in ("batch", "alone", "shared_prefix"):
+            pair = (ref, got) if name == "batch" else (ref["phases"][name], got["phases"][name])
+            good, figure = near_tie_verdict(*pair)
+            ok = ok and good
+            parts.append(f"{name}: {figure}")
+        shared = got["phases"]["shared_prefix"]
+        preemptions = got.get("preemptions") or 0
+        ok = ok and preemptions > 0 and shared["prefix_hits"] > 0
+        parts.append(
+            f"{preemptions} preemptions; prefix cache {shared['prefix_hits']:.0f} of "
+            f"{shared['prefix_queries']:.0f} tokens hit (prefix {shared['prefix_tokens']} "
+            f"tokens, block {got['phases']['kv_block_size']})"
         )
+        return ok, "; ".join(parts)
 
     return check
 
@@ -1007,6 +1074,12 @@ CHECKS: dict[str, Check] = {
     "v4 (diagnostic): draft step against target forward, batch 1 and 64": step_figures(
         "v4-dspark-overlay-v1"
     ),
+    **{
+        f"v4 matrix: DSpark N={n} through the overlay on V1, lossless in every phase": (
+            lossless_in_every_phase("v4-matrix-reference", f"v4-matrix-n{n}")
+        )
+        for n in V4_MATRIX_SPEC_TOKENS
+    },
     "v4: the overlay's V1 drafts accept as stock V2's do": acceptance_like(
         "v4-dspark-stock", "v4-dspark-overlay-v1"
     ),
@@ -1157,7 +1230,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=6, help="engines at once on the GPU")
     parser.add_argument("--only", nargs="*", help="run only these jobs")
     parser.add_argument(
-        "--part", choices=["core", "extra", "perf", "v4", "v4-compiled", "all"], default="all"
+        "--part",
+        choices=["core", "extra", "perf", "v4", "v4-compiled", "v4-matrix", "all"],
+        default="all",
     )
     parser.add_argument("--deadline", type=float, default=540, help="seconds for all jobs")
     args = parser.parse_args()
