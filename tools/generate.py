@@ -470,25 +470,42 @@ def engine_window(outputs: list) -> float | None:
     return max(s.last_token_ts for s in stats) - min(s.queued_ts for s in stats)
 
 
+# the shared-prefix phase is about prefix caching, not length: short answers
+PREFIX_PHASE_TOKENS = 32
+
+
 def run_phases(
     llm: Any, prompts: list[str], params: list, max_tokens: int, alone_count: int | None
 ) -> dict:
     """The same requests served again in the same engine, in the shapes the lossless
     matrix asks for: each prompt alone (batch 1; the first ``alone_count``), and each
-    behind one shared prefix of at least three KV blocks, twice, the second pass
-    measured for prefix-cache hits (vLLM does not reuse the last matched block where
-    the drafter reads the target's hidden states, so one block is not enough)."""
+    behind one shared prefix of at least three KV blocks, twice, with short answers,
+    the second pass measured for prefix-cache hits (vLLM does not reuse the last
+    matched block where the drafter reads the target's hidden states, so one block
+    is not enough)."""
+    from vllm import SamplingParams
 
     def served(batch: list[str], batch_params: list) -> list:
         return llm.generate(batch, batch_params, use_tqdm=False)
 
     pairs = list(zip(prompts, params, strict=True))[:alone_count]
     alone = [served([prompt], [param])[0] for prompt, param in pairs]
-    prefix = shared_prefix(llm, max_tokens)
+    short_tokens = min(max_tokens, PREFIX_PHASE_TOKENS)
+    short = [
+        SamplingParams(
+            temperature=param.temperature,
+            max_tokens=short_tokens,
+            ignore_eos=True,
+            seed=param.seed,
+            logprobs=param.logprobs,
+        )
+        for param in params
+    ]
+    prefix = shared_prefix(llm, short_tokens)
     prefixed = [prefix + prompt for prompt in prompts]
-    served(prefixed, params)
+    served(prefixed, short)
     queries, hits = prefix_cache_counts(llm)
-    second = served(prefixed, params)
+    second = served(prefixed, short)
     queries_after, hits_after = prefix_cache_counts(llm)
     return {
         "kv_block_size": llm.llm_engine.vllm_config.cache_config.block_size,

@@ -127,10 +127,12 @@ V4_PROMPTS = (
 
 
 # The lossless matrix on DeepSeek-V4 (a call of its own): 16 prompts, each engine
-# serving them as one batch, the first four alone and all behind a shared prefix
+# serving them as one batch, the first two alone and all behind a shared prefix
 # twice (generate.py --phases), with chunked prefill (64-token steps) and a KV cache
-# of 12 blocks, which 16 answers of 280 tokens outgrow whatever V4's block size up
-# to 256, so the scheduler preempts; N = 1, 3 and 5 against one reference.
+# of 16 blocks. V4's blocks are 256 tokens (vLLM 0.26.0's sparse SWA backend), so
+# 280-token answers cross a block boundary and outgrow the cache: the scheduler
+# preempts; the shared prefix is three blocks (768 tokens), hence a 1,024-token
+# context. N = 1, 3 and 5 against one reference.
 V4_MATRIX_PROMPTS = V4_PROMPTS + (
     "while True:",
     "return the",
@@ -141,8 +143,8 @@ V4_MATRIX_PROMPTS = V4_PROMPTS + (
     "The weather today",
     "x = [",
 )
-V4_MATRIX = ["--phases", "--alone", "4", "--max-num-batched-tokens", "64", "--max-num-seqs", "16"]
-V4_MATRIX += ["--num-blocks", "12", "--max-tokens", "280", "--max-model-len", "512"]
+V4_MATRIX = ["--phases", "--alone", "2", "--max-num-batched-tokens", "64", "--max-num-seqs", "16"]
+V4_MATRIX += ["--num-blocks", "16", "--max-tokens", "280", "--max-model-len", "1024"]
 V4_MATRIX_SPEC_TOKENS = ("1", "3", "5")
 
 
