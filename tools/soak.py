@@ -248,10 +248,14 @@ class Server:
         return self.log.read()
 
 
+# (server, reason, evidence) of each start that got one more try (the result lists them)
+START_RETRIES: list[tuple[str, str, str]] = []
+
+
 def started(server: Server) -> bool:
     """Whether the server came up; False where its start failed in one of the ways
     that are vLLM's or the machine's (start_faults), which deserve one more try: the
-    reason and its evidence are printed."""
+    reason and its evidence are kept for the result."""
     try:
         wait_healthy(server.base, server.process)
     except RuntimeError:
@@ -259,7 +263,7 @@ def started(server: Server) -> bool:
         reason = start_faults.retry_reason(log)
         if reason is None:
             raise
-        print(f"start retried, {server.name}: {reason}\n{start_faults.evidence(log)}", flush=True)
+        START_RETRIES.append((server.name, reason, start_faults.evidence(log)))
         return False
     return True
 
@@ -567,6 +571,7 @@ def main() -> None:
         "servers": {name: run["summary"] for name, run in runs.items()},
         "failures": failures,
         "workload": [asdict(r) for r in requests[:20]],
+        "start_retries": START_RETRIES,
     }
     if args.out:
         args.out.write_text(json.dumps({**result, "logs": logs}, indent=1))

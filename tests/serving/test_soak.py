@@ -19,6 +19,7 @@ from conftest import (
     DSPARK_DRAFT_DIR,
     DSPARK_TARGET_DIR,
     REPO,
+    START_RETRIES,
     engine_slots,
     error_lines,
     run_python,
@@ -38,7 +39,10 @@ def soak(dspark_pair, tmp_path_factory) -> dict:
     with engine_slots(2):  # its servers run two at a time
         run = run_python(args, check=False, timeout=900)
     assert out.exists(), error_lines(run) + run.stdout[-3000:] + run.stderr[-3000:]
-    return {"returncode": run.returncode, "stdout": run.stdout, **json.loads(out.read_text())}
+    result = json.loads(out.read_text())
+    # the soak's own retried starts go into the session's report (conftest)
+    START_RETRIES.extend(tuple(entry) for entry in result.get("start_retries", []))
+    return {"returncode": run.returncode, "stdout": run.stdout, **result}
 
 
 def test_every_invariant_holds(soak):
