@@ -41,15 +41,41 @@ def retry_reason(output: str) -> str | None:
     return None
 
 
-def evidence(output: str, around: int = 6) -> str:
-    """The fatal-signal lines of ``output`` (each with the lines after it, where a
-    stack follows) and the kernel's fault lines, for the report of a failed start."""
+def evidence(output: str, around: int = 6, dump_lines: int = 160) -> str:
+    """The fatal-signal lines of ``output`` for the report of a failed start: a
+    ``Fatal Python error`` with the stack dump after it (``dump_lines`` lines, where
+    faulthandler lists every thread, the failing one marked "Current thread"), each
+    other mark with the ``around`` lines after it, runs of one repeated line (a
+    recursion) collapsed; then the kernel's fault lines."""
     lines = output.splitlines()
     kept: list[str] = []
     for index, line in enumerate(lines):
         if any(mark in line for mark in FATAL_MARKS):
-            kept.extend(lines[index : index + around])
-    return "\n".join(kept[:80] + kernel_faults())
+            span = dump_lines if "Fatal Python error" in line else around
+            kept.extend(lines[index : index + span])
+    return "\n".join(collapse_repeats(kept)[:240] + kernel_faults())
+
+
+def collapse_repeats(lines: list[str]) -> list[str]:
+    """A run of one line, or of one pair of lines (a frame's file line and its code
+    line), kept once with the count of its repeats."""
+    out: list[str] = []
+    index = 0
+    while index < len(lines):
+        for width in (1, 2):
+            unit = lines[index : index + width]
+            repeats = 1
+            while lines[index + repeats * width : index + (repeats + 1) * width] == unit:
+                repeats += 1
+            if repeats > 2:
+                out.extend(unit)
+                out.append(f"  [the {width} line(s) above repeated {repeats - 1} more times]")
+                index += repeats * width
+                break
+        else:
+            out.append(lines[index])
+            index += 1
+    return out
 
 
 def kernel_faults(tail: int = 200) -> list[str]:

@@ -37,3 +37,13 @@ def test_the_evidence_keeps_the_fatal_signal_and_its_stack_and_drops_the_rest():
     assert all(
         line.startswith("kernel: ") for line in start_faults.evidence("all well").splitlines()
     )
+
+
+def test_a_recursion_in_the_dump_is_kept_once_with_its_count():
+    frame = ['  File "vllm_v4_patches/x.py", line 7 in __getattr__']
+    dump = ["Fatal Python error: _Py_CheckRecursiveCall: Cannot recover from stack overflow."]
+    dump += ["", "Current thread 0x01 (most recent call first):", *frame * 50, "  ..."]
+    found = start_faults.evidence("\n".join(dump)).splitlines()
+    assert found.count(frame[0]) == 1
+    assert "  [the 1 line(s) above repeated 49 more times]" in found
+    assert found[-1] == "  ..." or found[-1].startswith("kernel: ")
