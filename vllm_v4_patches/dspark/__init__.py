@@ -202,10 +202,12 @@ def probe(source: SourceReader) -> ProbeResult:
         return ProbeResult("absent", "no dspark method, and no DFlash Qwen3 draft to build on")
     variant = "+".join(routes) or "no-config-gate"
     facts["routes"] = routes
-    v4_route = v4_draft_route(source)
-    facts["v4_route"] = v4_route
     return ProbeResult(
-        "needed", f"config: {variant}", variant=variant, facts=facts, aspects={"v4": v4_route}
+        "needed",
+        f"config: {variant}",
+        variant=variant,
+        facts=facts,
+        aspects={"v4": v4_draft_route(source)},
     )
 
 
@@ -359,7 +361,7 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
     for module in JIT_MONITOR_MODULES:
         patcher.wrap_when_imported(module, "", "activate", warmup.hold_jit_monitor)
     done.append(f"{how} EngineCore.__init__ (warm-up), jit_monitor.activate")
-    done.append(V4_ROUTE_SHOWN[found.facts.get("v4_route", V4_ROUTE_NO_V4)])
+    done.append(V4_ROUTE_SHOWN[found.aspects.get("v4", V4_ROUTE_NO_V4)])
     return "; ".join(done)
 
 
