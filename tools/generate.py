@@ -20,11 +20,13 @@ one GPU, and ``--bench-batches`` times steady-state throughput after the checked
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 DEFAULT_PROMPTS = ["def main(", "import os\nimport", "class Parser:"]
@@ -57,6 +59,64 @@ def top_two_margins(logprobs: list | None) -> list[float] | None:
     return margins
 
 
+def teacher_forced(llm: Any, outputs: list) -> dict:
+    """Each greedy answer scored by the same engine's target in one prefill of prompt
+    and answer (``prompt_logprobs``): per answer token, the target's best logprob at
+    that position minus the answer token's (0 where the answer took the target's own
+    pick). A speculative decoder that let a draft token through where the target
+    disagreed shows a gap as large as the target's preference; a near-tie flipped by
+    numerics (a verification forward's batch shape against a decode's) shows a small
+    one. The control scores each prompt followed by another prompt's answer: tokens
+    the target did not pick for that context, so the gaps the measure can show."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    answers = [list(out.outputs[0].token_ids) for out in outputs]
+    prompts = [list(out.prompt_token_ids) for out in outputs]
+    swapped = answers[1:] + answers[:1] if len(answers) > 1 else []
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+
+    def gaps(pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        if not pairs:
+            return []
+        requests = [TokensPrompt(prompt_token_ids=p + a) for p, a in pairs]
+        scored = llm.generate(requests, params, use_tqdm=False)
+        per_answer = []
+        for (prompt, answer), out in zip(pairs, scored, strict=True):
+            positions = out.prompt_logprobs[len(prompt) : len(prompt) + len(answer)]
+            per_answer.append(
+                [
+                    round(max(e.logprob for e in entry.values()) - entry[token].logprob, 4)
+                    for token, entry in zip(answer, positions, strict=True)
+                ]
+            )
+        return per_answer
+
+    return {
+        "gaps": gaps(list(zip(prompts, answers, strict=True))),
+        "control_gaps": gaps(list(zip(prompts, swapped, strict=False))),
+    }
+
+
+def accept_every_draft(worker) -> str:  # noqa: ANN001
+    """Runs in the worker: a lossy verifier, for negative controls only. Every draft
+    token is emitted whatever the target said; the target's bonus token stays only
+    where it had accepted the whole block itself."""
+    sampler = worker.model_runner.rejection_sampler
+    verify = sampler.forward
+
+    def forward(metadata, draft_probs, logits, sampling_metadata):  # noqa: ANN001, ANN202
+        output = verify(metadata, draft_probs, logits, sampling_metadata)
+        ids = output.sampled_token_ids
+        width = ids.shape[1] - 1
+        if width > 0 and metadata.draft_token_ids.numel() == ids.shape[0] * width:
+            ids[:, :width] = metadata.draft_token_ids.view(-1, width).to(ids.dtype)
+        return output
+
+    sampler.forward = forward
+    return type(sampler).__name__
+
+
 def generate(
     model: str,
     prompts: list[str] | None = None,
@@ -87,6 +147,8 @@ def generate(
     max_model_len: int = 256,
     max_num_seqs: int | None = None,
     alone: int | None = None,
+    score: bool = False,
+    accept_drafts: bool = False,
 ) -> dict:
     from vllm import SamplingParams
     from vllm.platforms import current_platform
@@ -123,6 +185,8 @@ def generate(
         disable_log_stats=False,
     )
     ready = time.perf_counter()
+    if accept_drafts:
+        llm.collective_rpc(accept_every_draft)
     # one seed per request, so a repeated prompt gives independent samples that
     # are the same draws in every run
     params = [
@@ -146,7 +210,9 @@ def generate(
     checked = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     done = time.perf_counter()
-    served_phases = run_phases(llm, prompts, params, max_tokens, alone) if phases else None
+    scorer = functools.partial(teacher_forced, llm) if score else None
+    scored = scorer(outputs) if scorer else None
+    served_phases = run_phases(llm, prompts, params, max_tokens, alone, scorer) if phases else None
     # after the requests above, whose outputs the timers must not touch
     step_times = time_steps(llm, step_batches, max_tokens) if step_batches else None
     syncs = None
@@ -177,6 +243,7 @@ def generate(
         "step_times": step_times,
         "phases": served_phases,
         "preemptions": metric_value(llm, "vllm:num_preemptions"),
+        "teacher_forced": scored,
         "margins": (
             [top_two_margins(out.outputs[0].logprobs) for out in outputs] if margins else None
         ),
@@ -253,6 +320,15 @@ SYNC_COUNTED = (
 )
 
 
+def sync_site(filename: str) -> str:
+    """A source file as a path inside its package (``vllm/...``), not the machine's."""
+    parts = filename.replace("\\", "/").split("/")
+    for root in ("vllm", "vllm_v4_patches", "torch"):
+        if root in parts:
+            return "/".join(parts[parts.index(root) :])
+    return parts[-1]
+
+
 def install_sync_counter(worker) -> list[str]:  # noqa: ANN001
     """Runs in the worker: count the host synchronisations (CUDA sync debug mode's
     warnings: .item(), .cpu(), .tolist(), blocking copies to the host...) each call
@@ -287,8 +363,16 @@ def install_sync_counter(worker) -> list[str]:  # noqa: ANN001
                 finally:
                     torch.cuda.set_sync_debug_mode(previous)
                     syncs = [w for w in caught if "synchronizing" in str(w.message)]
-                    counts[_key]["calls"] += 1
-                    counts[_key]["syncs"] += len(syncs)
+                    record = counts[_key]
+                    record["calls"] += 1
+                    record["syncs"] += len(syncs)
+                    # where: a one-off at the first call (a lazy set-up) is not a
+                    # per-step sync
+                    for sync in syncs:
+                        site = f"{sync_site(sync.filename)}:{sync.lineno}"
+                        record.setdefault("sites", {})[site] = record["sites"].get(site, 0) + 1
+                    if syncs and len(record.setdefault("calls_with_syncs", [])) < 8:
+                        record["calls_with_syncs"].append(record["calls"])
 
         setattr(owner, method_name, functools.wraps(method)(counted))
         wrapped.append(key)
@@ -370,7 +454,7 @@ def time_steps(llm, batches: tuple[int, ...], max_tokens: int) -> dict:  # noqa:
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     wrapped = llm.collective_rpc(install_step_timers)[0]
-    figures: dict = {"timed": wrapped}
+    figures: dict = {"timed": wrapped, "depths": llm.collective_rpc(model_depths)[0]}
     for batch in batches:
         prompts = [f"def f{i}(" for i in range(batch)]
         llm.generate(prompts, params, use_tqdm=False)
@@ -378,6 +462,19 @@ def time_steps(llm, batches: tuple[int, ...], max_tokens: int) -> dict:  # noqa:
         llm.generate(prompts, params, use_tqdm=False)
         figures[str(batch)] = step_share(llm.collective_rpc(take_step_records)[0], batch)
     return figures
+
+
+def model_depths(worker) -> dict:  # noqa: ANN001
+    """Runs in the worker: the target's layer count and the draft's stage count (what
+    a per-layer figure divides by)."""
+    from vllm_v4_patches.dspark.checkpoint import draft_spec
+
+    runner = worker.model_runner
+    depths = {"target_layers": runner.model_config.hf_config.num_hidden_layers}
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None and hasattr(drafter, "draft_model_config"):
+        depths["draft_stages"] = draft_spec(drafter.draft_model_config.hf_config).num_draft_layers
+    return depths
 
 
 def step_share(records: list[dict], batch: int) -> dict:
@@ -475,14 +572,20 @@ PREFIX_PHASE_TOKENS = 32
 
 
 def run_phases(
-    llm: Any, prompts: list[str], params: list, max_tokens: int, alone_count: int | None
+    llm: Any,
+    prompts: list[str],
+    params: list,
+    max_tokens: int,
+    alone_count: int | None,
+    scorer: Callable[[list], dict] | None = None,
 ) -> dict:
     """The same requests served again in the same engine, in the shapes the lossless
     matrix asks for: each prompt alone (batch 1; the first ``alone_count``), and each
     behind one shared prefix of at least three KV blocks, twice, with short answers,
     the second pass measured for prefix-cache hits (vLLM does not reuse the last
     matched block where the drafter reads the target's hidden states, so one block
-    is not enough)."""
+    is not enough). A ``scorer`` (``teacher_forced``) scores each phase's answers once
+    the phase's counts are read."""
     from vllm import SamplingParams
 
     def served(batch: list[str], batch_params: list) -> list:
@@ -509,9 +612,9 @@ def run_phases(
     queries_after, hits_after = prefix_cache_counts(llm)
     return {
         "kv_block_size": llm.llm_engine.vllm_config.cache_config.block_size,
-        "alone": phase_record(alone),
+        "alone": phase_record(alone, scorer),
         "shared_prefix": {
-            **phase_record(second),
+            **phase_record(second, scorer),
             "prefix_tokens": len(llm.get_tokenizer().encode(prefix)),
             "prefix_queries": queries_after - queries,
             "prefix_hits": hits_after - hits,
@@ -519,10 +622,11 @@ def run_phases(
     }
 
 
-def phase_record(outputs: list) -> dict:
+def phase_record(outputs: list, scorer: Callable[[list], dict] | None = None) -> dict:
     return {
         "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
         "margins": [top_two_margins(out.outputs[0].logprobs) for out in outputs],
+        "teacher_forced": scorer(outputs) if scorer else None,
     }
 
 
@@ -664,6 +768,16 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, help="at most --max-num-batched-tokens")
     parser.add_argument("--alone", type=int, help="with --phases: this many prompts alone")
+    parser.add_argument(
+        "--teacher-forced",
+        action="store_true",
+        help="score each greedy answer against the target's own picks in one prefill",
+    )
+    parser.add_argument(
+        "--accept-drafts",
+        action="store_true",
+        help="a lossy verifier that emits every draft token (negative controls only)",
+    )
     args = parser.parse_args()
     if args.plan:
         with open(args.plan) as handle:
@@ -700,6 +814,8 @@ def main() -> None:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         alone=args.alone,
+        score=args.teacher_forced,
+        accept_drafts=args.accept_drafts,
     )
     print("RESULT " + json.dumps(result))
 

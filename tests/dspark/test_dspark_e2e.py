@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +90,16 @@ def plan_target_alone(runs: ModuleRuns, inputs: Inputs) -> None:
 def plan_greedy(runs: ModuleRuns, inputs: Inputs) -> None:
     plan_target_alone(runs, inputs)
     status = inputs.scratch / "status"
-    # the step timers run after the greedy requests, in the same engine
-    add_dspark(runs, inputs, "greedy", "dspark", env={STATUS_DIR: str(status)}, step_batches=[1, 4])
+    # the scoring and the step timers run after the greedy requests, in the same engine
+    add_dspark(
+        runs,
+        inputs,
+        "greedy",
+        "dspark",
+        env={STATUS_DIR: str(status)},
+        step_batches=[1, 4],
+        score=True,
+    )
 
 
 def mean_acceptance_length(counters: dict) -> float:
@@ -126,6 +135,28 @@ def test_each_draft_step_is_timed_against_its_own_target_forward(runs):
         assert share["target_device_ms"] is None and share["ratio_basis"] == "host_ms"
         assert share["target_host_ms"] > 0 and share["draft_host_ms"] > 0
         assert share["draft_over_target"] > 0
+
+
+def plan_teacher_forced(runs: ModuleRuns, inputs: Inputs) -> None:
+    plan_greedy(runs, inputs)
+    add_dspark(runs, inputs, "lossy", "dspark", multiprocess=False, score=True, accept_drafts=True)
+
+
+def test_teacher_forced_scoring_passes_dspark_and_catches_a_lossy_verifier(runs):
+    """The GPU suite's V4 lossless check (``teacher_verdict``: every answer token the
+    target's own pick under teacher forcing, and control answers caught) on real
+    engines: DSpark's answers pass at the near-tie bound; the same engine with a
+    verifier that emits every draft token (``generate.py --accept-drafts``, a fault
+    injected for this control) fails it, though its answers are as long."""
+    sys.path.insert(0, str(REPO / "tools" / "gpu"))
+    import suite
+
+    greedy, lossy = runs["greedy"], runs["lossy"]
+    passed, figure = suite.teacher_verdict(greedy["teacher_forced"], suite.NEAR_TIE)
+    assert passed, figure
+    assert lossy["token_ids"] != greedy["token_ids"]
+    passed, figure = suite.teacher_verdict(lossy["teacher_forced"], suite.NEAR_TIE)
+    assert not passed, figure
 
 
 def plan_slots(runs: ModuleRuns, inputs: Inputs, slots: int) -> None:
@@ -426,6 +457,9 @@ def test_a_malformed_draft_config_fails_in_one_line_naming_the_key(runs):
 PLANS = {
     test_greedy_dspark_is_lossless_with_real_acceptance.__name__: plan_greedy,
     test_each_draft_step_is_timed_against_its_own_target_forward.__name__: plan_greedy,
+    test_teacher_forced_scoring_passes_dspark_and_catches_a_lossy_verifier.__name__: (
+        plan_teacher_forced
+    ),
     test_other_block_sizes_are_lossless.__name__: plan_slots,
     test_switched_off_stock_rejects_dspark_on_v1.__name__: plan_switched_off,
     test_probabilistic_drafting_at_temperature_one.__name__: plan_sampled,

@@ -3,7 +3,6 @@ the check reads what ``generate.py --step-times`` recorded (no GPU needed)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -25,19 +24,14 @@ SHARE = {
 }
 
 
-@pytest.fixture
-def tiny_v4(tmp_path, monkeypatch) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "n_mtp_layers": 3}))
-    monkeypatch.setattr(suite, "TINY_V4", tmp_path)
-
-
 def figure(step_times: dict | None) -> tuple[bool, str]:
     outcome = suite.Outcome({"step_times": step_times}, [], "", 1.0, 0)
     return suite.step_figures("job")({"job": outcome})
 
 
-def test_both_batches_give_the_ratio_and_the_per_layer_times(tiny_v4):
-    passed, text = figure({"1": SHARE, "64": {**SHARE, "draft_over_target": 0.2}})
+def test_both_batches_give_the_ratio_and_the_per_layer_times():
+    depths = {"target_layers": 3, "draft_stages": 3}
+    passed, text = figure({"depths": depths, "1": SHARE, "64": {**SHARE, "draft_over_target": 0.2}})
     assert passed
     assert "batch 1: draft/target 0.100 (device, 6 steps)" in text
     assert "target 3.000 ms (1.000 per layer of 3)" in text
@@ -45,7 +39,17 @@ def test_both_batches_give_the_ratio_and_the_per_layer_times(tiny_v4):
     assert "batch 64: draft/target 0.200" in text
 
 
-def test_a_batch_without_a_step_fails_and_a_run_without_timers_is_missing(tiny_v4):
+def test_the_engine_reported_depths_divide_and_older_runs_take_the_built_ones():
+    passed, text = figure(
+        {"depths": {"target_layers": 2, "draft_stages": 1}, "1": SHARE, "64": SHARE}
+    )
+    assert passed and "(1.500 per layer of 2)" in text and "(0.300 per stage of 1)" in text
+    _, text = figure({"1": SHARE, "64": SHARE})
+    assert f"per layer of {suite.V4_LAYERS})" in text
+    assert f"per stage of {suite.V4_DRAFT_STAGES})" in text
+
+
+def test_a_batch_without_a_step_fails_and_a_run_without_timers_is_missing():
     passed, text = figure({"1": SHARE, "64": {"steps": 0}})
     assert not passed and "batch 64: no step" in text
     with pytest.raises(suite.Missing):
