@@ -21,7 +21,6 @@ import argparse
 import io
 import json
 import re
-import shutil
 import sys
 import tarfile
 from pathlib import Path
@@ -78,7 +77,7 @@ def record(run_dir: Path, results: dict) -> None:
     kept.mkdir(parents=True, exist_ok=True)
     serial = len(list(kept.glob(f"{version}-*.json"))) + 1
     kept_as = kept / f"{version}-{serial}.json"
-    shutil.copyfile(run_file, kept_as)
+    kept_as.write_text(scrub(run_file.read_text()))
     copy_scrubbed(run_file.with_name(f"logs-{version}.tar.gz"), logs_of(kept_as))
     merge(results, kept_as)
 

@@ -623,7 +623,9 @@ def near_tie_verdict(ref: dict, got: dict) -> tuple[bool, str]:
 
 
 def teacher_forced(record: dict, name: str) -> dict:
-    scored = record.get("teacher_forced")
+    if "teacher_forced" not in record:
+        raise NotSaved(f"{name}: a run from before generate.py scored answers")
+    scored = record["teacher_forced"]
     if not scored:
         raise Missing(f"{name} scored no answers (run with --teacher-forced)")
     return scored
@@ -1126,17 +1128,20 @@ CHECKS: dict[str, Check] = {
     "v4: no speculation, compiled with CUDA graphs, equals eager up to near-ties": (
         same_until_near_tie("v4-nospec-eager", "v4-nospec")
     ),
-    "v4: stock DSpark (in-checkpoint draft, V2) equals V2 without speculation": (
+    "v4 (diagnostic): stock DSpark (V2) against V2 without speculation, token for token": (
         same_until_near_tie("v4-nospec-v2", "v4-dspark-stock")
     ),
     "v4 (diagnostic): V2 without speculation equals V1 eager up to near-ties": (
         same_until_near_tie("v4-nospec-eager", "v4-nospec-v2")
     ),
-    "v4: DSpark through the overlay on the V1 runner, eager, equals no speculation": (
+    "v4 (diagnostic): overlay DSpark on V1, eager, against no speculation, token for token": (
         same_until_near_tie("v4-nospec-eager", "v4-dspark-overlay-v1")
     ),
-    "v4: DSpark through the overlay on V1, compiled, equals no speculation": (
+    "v4 (diagnostic): overlay DSpark on V1, compiled, against no speculation, token for token": (
         same_until_near_tie("v4-nospec", "v4-dspark-overlay-v1-compiled")
+    ),
+    "v4 (diagnostic): overlay DSpark on V1 against stock DSpark on V2, token for token": (
+        same_until_near_tie("v4-dspark-stock", "v4-dspark-overlay-v1")
     ),
     "v4: stock DSpark (V2): every answer token the target's own pick up to V2's own gaps": (
         teacher_forced_lossless("v4-dspark-stock", ("v4-nospec-v2",))
