@@ -463,6 +463,37 @@ UPSTREAM_FAULTS = {
 }
 
 
+# JIT-built kernels, kept across calls and sessions: the V4 jobs spend minutes building
+# TileLang's mHC kernels (per token count), DeepGEMM's GEMMs and Triton's kernels. The
+# folder lives in the checkout (ignored), so a session carries it to a fresh machine
+# (`carry`); the suite hands it back as $OUT/kernel-cache.tar.gz. Keyed by content,
+# so stock and overlay engines share nothing but identical kernels.
+KERNEL_CACHE = REPO / ".cache" / "gpu-kernels"
+KERNEL_CACHE_LIMIT = 15 * 2**20  # a file back from the machine is at most 16 MiB
+
+
+def kernel_cache_env() -> dict[str, str]:
+    return {
+        "TILELANG_CACHE_DIR": str(KERNEL_CACHE / "tilelang"),
+        "DG_JIT_CACHE_DIR": str(KERNEL_CACHE / "deep_gemm"),
+        "TRITON_CACHE_DIR": str(KERNEL_CACHE / "triton"),
+    }
+
+
+def hand_back_kernel_cache(out: Path) -> str:
+    """The kernel cache as one archive under ``out``, where it fits what comes back."""
+    if not KERNEL_CACHE.is_dir():
+        return "no kernel cache"
+    archive = out / "kernel-cache.tar.gz"
+    with tarfile.open(archive, "w:gz") as packed:
+        packed.add(KERNEL_CACHE, arcname="gpu-kernels")
+    size = archive.stat().st_size
+    if size > KERNEL_CACHE_LIMIT:
+        archive.unlink()
+        return f"kernel cache {size / 2**20:.1f} MiB packed: too large to hand back"
+    return f"kernel cache handed back: {size / 2**20:.1f} MiB packed"
+
+
 def run_job(job: Job, scratch: Path, deadline: float) -> Outcome:
     status_dir = scratch / "status" / job.name
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_V4_")}
@@ -474,6 +505,7 @@ def run_job(job: Job, scratch: Path, deadline: float) -> Outcome:
     if job.overlay:
         env["VLLM_V4_PATCHES_STATUS_DIR"] = str(status_dir)
     env["VLLM_CACHE_ROOT"] = str(scratch / "vllm-cache")  # timing jobs reuse compiled graphs
+    env.update(kernel_cache_env())
     env["PYTHONFAULTHANDLER"] = "1"  # a timed-out job's processes print their stacks
     started = time.perf_counter()
     budget = min(job.timeout, deadline - started)
@@ -1365,6 +1397,7 @@ def main() -> None:
             path = scratch / f"{name}.log"
             path.write_text(outcome.log)
             logs.add(path, arcname=f"{name}.log")
+    print(hand_back_kernel_cache(args.out))
     for name, o in outcomes.items():
         print(f"job {name:32} rc {o.returncode:>3} {o.seconds:6.1f}s")
     for row in rows:
