@@ -42,8 +42,8 @@ PLAIN_LLAMA = MODELS / "tiny-llama-plain"
 # the shrunken DeepSeek-V4-Flash with its three DSpark stages, built here
 # (tools/build_tiny_v4.py; 1.5 GiB, more than a call carries)
 TINY_V4 = MODELS / "tiny-v4"
-# V4 engines starting at once: five on a fresh machine were all still building kernels
-# at 450 s (2026-12-03), three had started in about 290 s
+# V4 engines starting at once: each builds its kernels on the machine's CPUs at
+# start, and more at once start none in a call's time (docs/testing.md, GPU harness)
 V4_AT_ONCE = 3
 V4_LAYERS, V4_DRAFT_STAGES = 3, 3  # tools/build_tiny_v4.py's default depth, its stages
 STEP_BATCHES = ("1", "64")  # the batch sizes of the V4 step-time figures
