@@ -98,6 +98,15 @@ def teacher_forced(llm: Any, outputs: list) -> dict:
     }
 
 
+def score_or_error(llm: Any, outputs: list) -> dict:
+    """``teacher_forced``, or the error that stopped it: a scoring that fails on some
+    engine must not cost the run the tokens it already served."""
+    try:
+        return teacher_forced(llm, outputs)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+
+
 def accept_every_draft(worker) -> str:  # noqa: ANN001
     """Runs in the worker: a lossy verifier, for negative controls only. Every draft
     token is emitted whatever the target said; the target's bonus token stays only
@@ -210,7 +219,7 @@ def generate(
     checked = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     done = time.perf_counter()
-    scorer = functools.partial(teacher_forced, llm) if score else None
+    scorer = functools.partial(score_or_error, llm) if score else None
     scored = scorer(outputs) if scorer else None
     served_phases = run_phases(llm, prompts, params, max_tokens, alone, scorer) if phases else None
     # after the requests above, whose outputs the timers must not touch

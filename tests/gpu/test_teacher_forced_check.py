@@ -92,3 +92,15 @@ def test_the_matrix_scores_each_phase_against_the_references_own_gaps():
     job["phases"]["alone"]["teacher_forced"]["gaps"] = [[0.0, 0.9]]
     passed, text = check(outcomes(ref=reference, job=job))
     assert not passed and "largest gap 0.900" in text
+
+
+def test_a_scoring_that_failed_is_missing_with_its_error():
+    """``generate.py`` keeps the run's tokens and records why the scoring stopped."""
+    check = suite.teacher_forced_lossless("job", ("nospec",))
+    failed = {"teacher_forced": {"error": "ValueError: no prompt logprobs"}}
+    with pytest.raises(suite.Missing, match="scoring failed: ValueError: no prompt logprobs"):
+        check(outcomes(job=failed, nospec=scored([[0.0]])))
+    reference, job = matrix_record([[0.0]]), matrix_record([[0.0]])
+    job["phases"]["alone"]["teacher_forced"] = failed["teacher_forced"]
+    with pytest.raises(suite.Missing, match="alone: ValueError"):
+        suite.lossless_in_every_phase("ref", "job")(outcomes(ref=reference, job=job))

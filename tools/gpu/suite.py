@@ -672,6 +672,8 @@ def teacher_forced(record: dict, name: str) -> dict:
     scored = record["teacher_forced"]
     if not scored:
         raise Missing(f"{name} scored no answers (run with --teacher-forced)")
+    if "error" in scored:
+        raise Missing(f"{name}: scoring failed: {scored['error']}")
     return scored
 
 
@@ -739,6 +741,14 @@ def lossless_in_every_phase(reference: str, job: str) -> Check:
             for name in ("batch", "alone", "shared_prefix")
         }
         scored = all(r.get("teacher_forced") for pair in records.values() for r in pair)
+        failed = [
+            f"{name}: {r['teacher_forced']['error']}"
+            for name, pair in records.items()
+            for r in pair
+            if scored and "error" in r["teacher_forced"]
+        ]
+        if failed:
+            raise Missing(f"scoring failed: {failed[0]}")
         bound = NEAR_TIE
         if scored:
             noise = [largest_gap(pair[0]["teacher_forced"]["gaps"]) for pair in records.values()]
