@@ -73,7 +73,43 @@ def _capture_published_request_ids(runner) -> list:  # noqa: ANN001
 
 
 def collect_records(worker) -> dict:  # noqa: ANN001
-    return {"records": worker.dspark_records, "published_ids": worker.published_ids}
+    """Runs in the worker: what was recorded since the last collection."""
+    collected = {"records": list(worker.dspark_records), "published_ids": worker.published_ids}
+    worker.dspark_records.clear()
+    return collected
+
+
+def committed_prefixes(run: dict) -> list[list[int]]:
+    """Each record's context: its request's final sequence up to the anchor, whose
+    next token must be the anchor. Blocks drafted in a request's last step (anchor
+    past the end: never verified) are dropped from ``run["records"]``."""
+    by_prompt = {}
+    for sequence in run["sequences"]:
+        for record in run["records"]:
+            if sequence[: len(record["prompt"])] == record["prompt"]:
+                by_prompt[tuple(record["prompt"])] = sequence
+    kept, prefixes = [], []
+    for record in run["records"]:
+        sequence = by_prompt[tuple(record["prompt"])]
+        if record["anchor_position"] >= len(sequence):
+            continue
+        if sequence[record["anchor_position"]] != record["anchor"]:
+            raise AssertionError(f"anchor {record['anchor']} is not the sequence's token")
+        kept.append(record)
+        prefixes.append(sequence[: record["anchor_position"]])
+    run["records"] = kept
+    return prefixes
+
+
+def serve(llm, prompts: list, max_tokens: int) -> dict:  # noqa: ANN001
+    """Greedy answers with the drafter recording, and what it recorded."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    (collected,) = llm.collective_rpc(collect_records)
+    sequences = [list(out.prompt_token_ids) + list(out.outputs[0].token_ids) for out in outputs]
+    return {"sequences": sequences, **collected}
 
 
 def main() -> None:
@@ -84,24 +120,38 @@ def main() -> None:
     parser.add_argument("--spec-tokens", type=int, default=4)
     parser.add_argument("--prompts", nargs="*", default=DEFAULT_PROMPTS)
     parser.add_argument("--prompt-ids", help="JSON list of token-id lists, instead of --prompts")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-dtype", help="vLLM's kv_cache_dtype (DeepSeek-V4: fp8)")
+    parser.add_argument("--kv-cache-gib", type=float, help="a fixed KV cache (GPU sharing)")
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="then serve each committed prefix as a new prompt in the same engine, prefix "
+        "caching off: each block's from-scratch twin (RESULT's 'fresh')",
+    )
     options = parser.parse_args()
     # collective_rpc ships the recorder to the worker by value
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from generate import dspark_speculation, tiny_llm
-    from vllm import SamplingParams
 
     llm = tiny_llm(
-        options.target, speculative_config=dspark_speculation(options.draft, options.spec_tokens)
+        options.target,
+        dtype=options.dtype,
+        kv_cache_gib=options.kv_cache_gib,
+        speculative_config=dspark_speculation(options.draft, options.spec_tokens),
+        # a recomputed prefix must not read the cache the served requests wrote
+        **({"enable_prefix_caching": False} if options.recompute else {}),
+        **({"kv_cache_dtype": options.kv_cache_dtype} if options.kv_cache_dtype else {}),
     )
     llm.collective_rpc(install_recorder)
-    params = SamplingParams(temperature=0.0, max_tokens=options.max_tokens, ignore_eos=True)
     prompts = options.prompts
     if options.prompt_ids:
         prompts = [{"prompt_token_ids": ids} for ids in json.loads(options.prompt_ids)]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    (collected,) = llm.collective_rpc(collect_records)
-    sequences = [list(out.prompt_token_ids) + list(out.outputs[0].token_ids) for out in outputs]
-    result = {"sequences": sequences, **collected}
+    result = serve(llm, prompts, options.max_tokens)
+    if options.recompute:
+        prefixes = committed_prefixes(result)
+        fresh = serve(llm, [{"prompt_token_ids": ids} for ids in prefixes], 2)
+        result.update(prefixes=prefixes, fresh=fresh)
     print("RESULT " + json.dumps(result), flush=True)
 
 
