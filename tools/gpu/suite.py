@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -56,6 +57,9 @@ HEAVY_PLUGIN = REPO / "tools" / "heavy_target_plugin"
 # device time added to every target forward: a target bound by its weights' reads
 HEAVY_TARGET = {"HEAVY_TARGET_US": "4000"}
 GENERATE = str(REPO / "tools" / "generate.py")
+RECORD_DRAFTS = str(REPO / "tools" / "record_dspark_drafts.py")
+# its attention layout (fp8_ds_mla) takes an fp8 KV cache only
+V4_ENGINE = ["--dtype", "bfloat16", "--kv-cache-dtype", "fp8"]
 INSPECT = str(REPO / "tools" / "inspect_dummy_batch.py")
 EMBEDDING = str(REPO / "tools" / "gpu" / "embedding_fault.py")
 SERVE = str(REPO / "tools" / "serve_check.py")
@@ -166,8 +170,7 @@ def v4_jobs() -> list[Job]:
     """The shrunken DeepSeek-V4 (real widths, real checkpoint format), bfloat16 with
     its fp8 attention and fp4 experts, eager and compiled, on the V1 runner; and with
     its own DSpark draft where stock vLLM has one (0.26.0: the V2 runner's)."""
-    # its attention layout (fp8_ds_mla) takes an fp8 KV cache only
-    v4 = [GENERATE, str(TINY_V4), "--dtype", "bfloat16", "--kv-cache-dtype", "fp8", *TOKENS, *KV]
+    v4 = [GENERATE, str(TINY_V4), *V4_ENGINE, *TOKENS, *KV]
     # every V4 engine scores its own answers (teacher_forced_lossless)
     v4 += ["--prompts", *V4_PROMPTS, "--teacher-forced"]
     # the references record each greedy pick's top-two gap (NEAR_TIE)
@@ -190,6 +193,15 @@ def v4_jobs() -> list[Job]:
         Job(
             "v4-dspark-overlay-v1",
             [*v4, *in_checkpoint, "--count-syncs"],
+            True,
+            overlay_env,
+            part="v4",
+        ),
+        # every served block against its recompute on the committed prefix
+        Job(
+            "v4-dspark-overlay-v1-exact",
+            [RECORD_DRAFTS, str(TINY_V4), str(TINY_V4), *V4_ENGINE, *KV, "--spec-tokens", "5"]
+            + ["--max-tokens", "24", "--prompts", *V4_PROMPTS[:4], "--recompute"],
             True,
             overlay_env,
             part="v4",
@@ -723,6 +735,59 @@ def teacher_forced_lossless(
     return check
 
 
+# a served block's logits may differ from its recompute's by at most this share of
+# what a wrong context (another committed prefix) moves them
+EXACT_SHARE = 0.1
+
+
+def block_differences(record: dict, twin: dict) -> float:
+    """The largest difference between two blocks' draft logits."""
+    return max(
+        abs(a - b)
+        for slot, other in zip(record["base_logits"], twin["base_logits"], strict=True)
+        for a, b in zip(slot, other, strict=True)
+    )
+
+
+def drafts_equal_recompute(job: str) -> Check:
+    """Exact drafting (``record_dspark_drafts.py --recompute``): every block the
+    serving loop drafted, against the first block the same engine drafts for its
+    committed prefix served as a new prompt with prefix caching off (only pristine
+    context: no rejected rows, no stale slots, no other group's block table). Blocks
+    whose recompute anchored on another token (a greedy near-tie of the target) are
+    counted, not compared. The tolerance is a share (EXACT_SHARE) of the control: the
+    same blocks against the recompute of another committed prefix, what a context
+    off by a token or a request does to these logits."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        result = result_of(outcomes, job)
+        fresh: dict[tuple, dict] = {}
+        for record in result["fresh"]["records"]:
+            fresh.setdefault(tuple(record["prompt"]), record)
+        pairs = [
+            (record, fresh.get(tuple(prefix)))
+            for record, prefix in zip(result["records"], result["prefixes"], strict=True)
+        ]
+        compared = [(r, t) for r, t in pairs if t is not None and t["anchor"] == r["anchor"]]
+        if len(compared) < 2:
+            raise Missing(f"{job}: {len(compared)} blocks with a recompute to compare")
+        worst = max(block_differences(r, t) for r, t in compared)
+        shifted = [t for _, t in compared[1:]] + [compared[0][1]]
+        control = statistics.median(
+            block_differences(r, t) for (r, _), t in zip(compared, shifted, strict=True)
+        )
+        equal_drafts = sum(r["drafts"] == t["drafts"] for r, t in compared)
+        ok = worst <= EXACT_SHARE * control and len(compared) * 5 >= 4 * len(pairs)
+        return ok, (
+            f"{len(compared)}/{len(pairs)} served blocks compared with their recompute "
+            f"(others anchored elsewhere or not recomputed); largest logit difference "
+            f"{worst:.4g} against {control:.4g} for another prefix's block (median); "
+            f"{equal_drafts}/{len(compared)} blocks drafted the same tokens"
+        )
+
+    return check
+
+
 def lossless_in_every_phase(reference: str, job: str) -> Check:
     """The lossless matrix of one engine (``generate.py --phases``): in the batch
     (chunked prefill, and the preemptions a small KV cache forces), for prompts served
@@ -1210,6 +1275,9 @@ CHECKS: dict[str, Check] = {
     ),
     "v4: no host sync in the target's attention metadata (stock, V1)": no_metadata_syncs(
         "v4-nospec-eager-again"
+    ),
+    "v4: every served draft block equals its recompute on the committed prefix (V1, eager)": (
+        drafts_equal_recompute("v4-dspark-overlay-v1-exact")
     ),
     "v4 (diagnostic): host syncs per step of the overlay's V4 drafter": sync_figures(
         "v4-dspark-overlay-v1"
