@@ -119,7 +119,6 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--spec-tokens", type=int, default=4)
     parser.add_argument("--prompts", nargs="*", default=DEFAULT_PROMPTS)
-    parser.add_argument("--prompt-ids", help="JSON list of token-id lists, instead of --prompts")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-dtype", help="vLLM's kv_cache_dtype (DeepSeek-V4: fp8)")
     parser.add_argument("--kv-cache-gib", type=float, help="a fixed KV cache (GPU sharing)")
@@ -144,10 +143,7 @@ def main() -> None:
         **({"kv_cache_dtype": options.kv_cache_dtype} if options.kv_cache_dtype else {}),
     )
     llm.collective_rpc(install_recorder)
-    prompts = options.prompts
-    if options.prompt_ids:
-        prompts = [{"prompt_token_ids": ids} for ids in json.loads(options.prompt_ids)]
-    result = serve(llm, prompts, options.max_tokens)
+    result = serve(llm, options.prompts, options.max_tokens)
     if options.recompute:
         prefixes = committed_prefixes(result)
         fresh = serve(llm, [{"prompt_token_ids": ids} for ids in prefixes], 2)
