@@ -35,3 +35,17 @@ def test_the_cache_comes_back_packed_unless_it_is_too_large(tmp_path, monkeypatc
     assert not (out / "kernel-cache.tar.gz").exists()
     monkeypatch.setattr(suite, "KERNEL_CACHE", tmp_path / "none")
     assert suite.hand_back_kernel_cache(out) == "no kernel cache"
+
+
+def test_eager_v4_jobs_keep_vllm_caches_per_side_and_the_rest_per_call(tmp_path, monkeypatch):
+    kernels = tmp_path / "kernels"
+    monkeypatch.setattr(suite, "KERNEL_CACHE", kernels)
+    by_name = {job.name: job for job in suite.jobs()}
+    scratch = tmp_path / "scratch"
+    roots = {name: suite.vllm_cache_root(job, scratch) for name, job in by_name.items()}
+    assert roots["v4-nospec-eager"] == roots["v4-matrix-reference"] == kernels / "vllm-stock"
+    assert roots["v4-dspark-overlay-v1"] == roots["v4-matrix-n3"] == kernels / "vllm-overlay"
+    # compiled graphs stay with the call: stock's and the overlay's must not meet
+    assert roots["v4-nospec"] == roots["v4-dspark-overlay-v1-compiled"] == scratch / "vllm-cache"
+    assert roots["v4-dspark-stock"] == kernels / "vllm-stock"
+    assert roots["bench-dspark"] == scratch / "vllm-cache"

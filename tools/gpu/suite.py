@@ -504,6 +504,19 @@ def kernel_cache_env() -> dict[str, str]:
     }
 
 
+def vllm_cache_root(job: Job, scratch: Path) -> Path:
+    """Where a job's vLLM keeps its model-class inspections and autotune results.
+
+    Eager V4 engines keep theirs in the kernel cache, so later calls of a hold skip
+    the front end's class inspections (about 25 s each, one subprocess per class);
+    the overlay's apart from stock's, because the overlay's processes inspect patched
+    classes. Every other job keeps a folder of this call, where the timing jobs reuse
+    the compiled graphs of the jobs before them."""
+    if job.part in ("v4", "v4-matrix"):
+        return KERNEL_CACHE / ("vllm-overlay" if job.overlay else "vllm-stock")
+    return scratch / "vllm-cache"
+
+
 def hand_back_kernel_cache(out: Path) -> str:
     """The kernel cache as one archive under ``out``, where it fits what comes back."""
     if not KERNEL_CACHE.is_dir():
@@ -528,7 +541,7 @@ def run_job(job: Job, scratch: Path, deadline: float) -> Outcome:
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     if job.overlay:
         env["VLLM_V4_PATCHES_STATUS_DIR"] = str(status_dir)
-    env["VLLM_CACHE_ROOT"] = str(scratch / "vllm-cache")  # timing jobs reuse compiled graphs
+    env["VLLM_CACHE_ROOT"] = str(vllm_cache_root(job, scratch))
     env.update(kernel_cache_env())
     env["PYTHONFAULTHANDLER"] = "1"  # a timed-out job's processes print their stacks
     started = time.perf_counter()
