@@ -379,7 +379,8 @@ def install_sync_counter(worker) -> list[str]:  # noqa: ANN001
                     # per-step sync
                     for sync in syncs:
                         site = f"{sync_site(sync.filename)}:{sync.lineno}"
-                        record.setdefault("sites", {})[site] = record["sites"].get(site, 0) + 1
+                        sites = record.setdefault("sites", {})
+                        sites[site] = sites.get(site, 0) + 1
                     if syncs and len(record.setdefault("calls_with_syncs", [])) < 8:
                         record["calls_with_syncs"].append(record["calls"])
 
@@ -482,7 +483,10 @@ def model_depths(worker) -> dict:  # noqa: ANN001
     depths = {"target_layers": runner.model_config.hf_config.num_hidden_layers}
     drafter = getattr(runner, "drafter", None)
     if drafter is not None and hasattr(drafter, "draft_model_config"):
-        depths["draft_stages"] = draft_spec(drafter.draft_model_config.hf_config).num_draft_layers
+        draft_config = drafter.draft_model_config.hf_config
+        # vLLM's V4 draft config keeps the stage count under its own name
+        stages = draft_spec(draft_config).num_draft_layers
+        depths["draft_stages"] = stages or getattr(draft_config, "num_nextn_predict_layers", None)
     return depths
 
 

@@ -44,7 +44,7 @@ def test_eager_v4_jobs_keep_vllm_caches_per_side_and_the_rest_per_call(tmp_path,
     scratch = tmp_path / "scratch"
     roots = {name: suite.vllm_cache_root(job, scratch) for name, job in by_name.items()}
     assert roots["v4-nospec-eager"] == roots["v4-matrix-reference"] == kernels / "vllm-stock"
-    assert roots["v4-dspark-overlay-v1"] == roots["v4-matrix-n3"] == kernels / "vllm-overlay"
+    assert roots["v4-dspark-overlay-v1"] == roots["v4-matrix-n5"] == kernels / "vllm-overlay"
     # compiled graphs stay with the call: stock's and the overlay's must not meet
     assert roots["v4-nospec"] == roots["v4-dspark-overlay-v1-compiled"] == scratch / "vllm-cache"
     assert roots["v4-dspark-stock"] == kernels / "vllm-stock"
