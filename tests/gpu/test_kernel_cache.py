@@ -3,6 +3,9 @@ archive it hands back (no GPU needed: a folder of files stands for the kernels).
 
 from __future__ import annotations
 
+import io
+import os
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -16,25 +19,68 @@ import suite  # noqa: E402
 def test_every_jit_cache_points_into_the_carried_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(suite, "KERNEL_CACHE", tmp_path / "kernels")
     env = suite.kernel_cache_env()
-    assert set(env) == {"TILELANG_CACHE_DIR", "DG_JIT_CACHE_DIR", "TRITON_CACHE_DIR"}
+    named = {"TILELANG_CACHE_DIR", "DG_JIT_CACHE_DIR", "TRITON_CACHE_DIR"}
+    assert set(env) == named | {"FLASHINFER_WORKSPACE_BASE"}
     assert all(Path(value).parent == tmp_path / "kernels" for value in env.values())
 
 
-def test_the_cache_comes_back_packed_unless_it_is_too_large(tmp_path, monkeypatch):
+def test_the_cache_comes_back_packed_in_parts_unless_too_large(tmp_path, monkeypatch):
     kernels = tmp_path / "kernels"
     (kernels / "tilelang").mkdir(parents=True)
-    (kernels / "tilelang" / "kernel.so").write_bytes(b"\0" * 4096)
+    # random bytes: gzip cannot shrink them under the part size below
+    (kernels / "tilelang" / "kernel.so").write_bytes(os.urandom(4096))
     monkeypatch.setattr(suite, "KERNEL_CACHE", kernels)
     out = tmp_path / "out"
     out.mkdir()
     assert "handed back" in suite.hand_back_kernel_cache(out)
     with tarfile.open(out / "kernel-cache.tar.gz") as packed:
         assert "gpu-kernels/tilelang/kernel.so" in packed.getnames()
-    monkeypatch.setattr(suite, "KERNEL_CACHE_LIMIT", 10)
+    (out / "kernel-cache.tar.gz").unlink()
+    monkeypatch.setattr(suite, "KERNEL_CACHE_LIMIT", 2048)
+    assert "in 3 parts" in suite.hand_back_kernel_cache(out)
+    parts = sorted(out.glob("kernel-cache.tar.gz*"))
+    assert [p.name for p in parts] == [f"kernel-cache.tar.gz.part{i}" for i in range(3)]
+    assert all(p.stat().st_size <= 2048 for p in parts)
+    joined = b"".join(p.read_bytes() for p in parts)
+    with tarfile.open(fileobj=io.BytesIO(joined)) as packed:
+        member = packed.extractfile("gpu-kernels/tilelang/kernel.so")
+        assert member.read() == (kernels / "tilelang" / "kernel.so").read_bytes()
+    for part in parts:
+        part.unlink()
+    monkeypatch.setattr(suite, "KERNEL_CACHE_LIMIT", 1024)
     assert "too large" in suite.hand_back_kernel_cache(out)
-    assert not (out / "kernel-cache.tar.gz").exists()
+    assert not list(out.iterdir())
     monkeypatch.setattr(suite, "KERNEL_CACHE", tmp_path / "none")
     assert suite.hand_back_kernel_cache(out) == "no kernel cache"
+
+
+def test_run_sh_unpacks_the_carried_parts_once(tmp_path):
+    """run.sh's unpack step on a copy of the checkout's layout (bash and tar, no GPU)."""
+    kernels = tmp_path / "made" / "gpu-kernels"
+    (kernels / "triton").mkdir(parents=True)
+    (kernels / "triton" / "k.json").write_text("{}")
+    packed = tmp_path / "repo" / ".cache" / "gpu-kernels-packed"
+    packed.mkdir(parents=True)
+    with tarfile.open(packed / "kernel-cache.tar.gz", "w:gz") as archive:
+        archive.add(kernels, arcname="gpu-kernels")
+    whole = (packed / "kernel-cache.tar.gz").read_bytes()
+    (packed / "kernel-cache.tar.gz").unlink()
+    half = len(whole) // 2
+    (packed / "kernel-cache.tar.gz.part0").write_bytes(whole[:half])
+    (packed / "kernel-cache.tar.gz.part1").write_bytes(whole[half:])
+    script = (REPO / "tools" / "gpu" / "run.sh").read_text()
+    start = script.index("unpack_kernels() {")
+    function = script[start : script.index("}\n", start) + 2]
+    repo = tmp_path / "repo"
+    run = ["bash", "-c", f"set -euo pipefail\n{function}\nunpack_kernels"]
+    first = subprocess.run(run, cwd=repo, capture_output=True, text=True, check=True)
+    assert "kernel cache unpacked" in first.stdout
+    assert (repo / ".cache" / "gpu-kernels" / "triton" / "k.json").read_text() == "{}"
+    # a later call of the hold keeps the folder it has grown
+    (repo / ".cache" / "gpu-kernels" / "triton" / "grown.json").write_text("[]")
+    again = subprocess.run(run, cwd=repo, capture_output=True, text=True, check=True)
+    assert again.stdout == ""
+    assert (repo / ".cache" / "gpu-kernels" / "triton" / "grown.json").exists()
 
 
 def test_eager_v4_jobs_keep_vllm_caches_per_side_and_the_rest_per_call(tmp_path, monkeypatch):

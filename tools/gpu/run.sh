@@ -5,6 +5,7 @@
 #   tools/gpu/run.sh suite VERSION [ARGS]   install the release (once), run the suite
 #   tools/gpu/run.sh python VERSION ARGS    install the release (once), run python3 ARGS
 # A call carries one chunk of .cache/gpu-stage/VERSION (made by tools/gpu/stage.py);
+# a suite call may carry .cache/gpu-kernels-packed (the kernel cache handed back);
 # /tmp lasts while the machine stays warm, so the chunks gather there call by call.
 set -euo pipefail
 command=$1 version=$2
@@ -47,6 +48,16 @@ PY
   touch "$site/.complete"
 }
 
+# the kernel cache a session carried packed (tools/gpu/suite.py hands it back so),
+# unpacked once per machine: later calls of a hold keep the folder they have grown
+unpack_kernels() {
+  local packed=.cache/gpu-kernels-packed
+  [ -d .cache/gpu-kernels ] && return
+  compgen -G "$packed/kernel-cache.tar.gz*" >/dev/null || return 0
+  cat "$packed"/kernel-cache.tar.gz* | tar xzf - -C .cache
+  echo "kernel cache unpacked: $(du -sh .cache/gpu-kernels | cut -f1)"
+}
+
 # the release's folder, and the CUTLASS DSL's own package folder: its wheel adds that
 # through a .pth file, which only a real site directory reads (pip --target is not one)
 site_path() {
@@ -63,11 +74,13 @@ case $command in
   suite)
     receive
     install
+    unpack_kernels
     VLLM_GPU_SITE=$(site_path) PYTHONPATH=$(site_path) python3 tools/gpu/suite.py "${OUT:-/tmp/gpu-out}" "$@"
     ;;
   python)
     receive
     install
+    unpack_kernels
     VLLM_GPU_SITE=$(site_path) PYTHONPATH=$(site_path) python3 "$@"
     ;;
   *) echo "usage: tools/gpu/run.sh receive|install|suite|python VERSION [args]" >&2; exit 2 ;;
