@@ -155,6 +155,7 @@ def generate(
     num_blocks: int | None = None,
     max_model_len: int = 256,
     max_num_seqs: int | None = None,
+    block_size: int | None = None,
     alone: int | None = None,
     score: bool = False,
     accept_drafts: bool = False,
@@ -190,6 +191,7 @@ def generate(
         **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}),
         **({"num_gpu_blocks_override": num_blocks} if num_blocks else {}),
         **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
+        **({"block_size": block_size} if block_size else {}),
         max_model_len=max_model_len,
         disable_log_stats=False,
     )
@@ -780,6 +782,11 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, help="KV blocks (few: the scheduler preempts)")
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, help="at most --max-num-batched-tokens")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        help="KV block size in tokens, where the front end cannot see the backend's choice",
+    )
     parser.add_argument("--alone", type=int, help="with --phases: this many prompts alone")
     parser.add_argument(
         "--teacher-forced",
@@ -826,6 +833,7 @@ def main() -> None:
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
         alone=args.alone,
         score=args.teacher_forced,
         accept_drafts=args.accept_drafts,

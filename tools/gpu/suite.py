@@ -136,12 +136,15 @@ V4_PROMPTS = (
 
 # The lossless matrix on DeepSeek-V4 (a call of its own): 16 prompts, each engine
 # serving them as one batch, the first two alone and all behind a shared prefix
-# twice (generate.py --phases), with chunked prefill (64-token steps) and a KV cache
-# of about 4,500 tokens (0.08 GiB: 2 GiB held 112,735 V4 tokens on the H200; a block
-# count is not taken for V4's KV groups). V4's blocks are 256 tokens (vLLM 0.26.0's
-# sparse SWA backend), so 280-token answers take two blocks each and sixteen outgrow
-# the cache: the scheduler preempts; the shared prefix is three blocks (768 tokens),
-# hence a 1,024-token context. N = 5 and 7 against one reference.
+# twice (generate.py --phases), with chunked prefill and a small KV cache. V4's blocks
+# are 256 tokens (vLLM 0.26.0's sparse SWA backend picks them in the engine core,
+# where the front end's config does not see it, so the block size is given). The
+# shared prefix is three blocks (768 tokens), hence a 1,024-token context. 0.08 GiB
+# held 23.6 such contexts and sixteen 280-token answers without a preemption (2 GiB
+# held 397 of 256 tokens beside the draft's cache); 0.02 GiB holds about six, under
+# the sixteen answers' two blocks each. vLLM keeps max_num_seqs times the draft's new
+# slots (up to N) of each step's tokens for drafting, so 256 tokens leave 144 at
+# N = 7 for the batch: prefill is chunked. N = 5 and 7 against one reference.
 V4_MATRIX_PROMPTS = V4_PROMPTS + (
     "while True:",
     "return the",
@@ -152,8 +155,9 @@ V4_MATRIX_PROMPTS = V4_PROMPTS + (
     "The weather today",
     "x = [",
 )
-V4_MATRIX = ["--phases", "--alone", "2", "--max-num-batched-tokens", "64", "--max-num-seqs", "16"]
-V4_MATRIX += ["--kv-cache-gib", "0.08", "--max-tokens", "280", "--max-model-len", "1024"]
+V4_MATRIX = ["--phases", "--alone", "2", "--max-num-batched-tokens", "256", "--max-num-seqs", "16"]
+V4_MATRIX += ["--kv-cache-gib", "0.02", "--block-size", "256"]
+V4_MATRIX += ["--max-tokens", "280", "--max-model-len", "1024"]
 # stock vLLM refuses DSpark below the draft's block size (5) in its config check
 V4_MATRIX_SPEC_TOKENS = ("5", "7")
 
