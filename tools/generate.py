@@ -155,7 +155,7 @@ def generate(
     num_blocks: int | None = None,
     max_model_len: int = 256,
     max_num_seqs: int | None = None,
-    block_size: int | None = None,
+    prefix_tokens: int | None = None,
     alone: int | None = None,
     score: bool = False,
     accept_drafts: bool = False,
@@ -191,7 +191,6 @@ def generate(
         **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}),
         **({"num_gpu_blocks_override": num_blocks} if num_blocks else {}),
         **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
-        **({"block_size": block_size} if block_size else {}),
         max_model_len=max_model_len,
         disable_log_stats=False,
     )
@@ -223,7 +222,11 @@ def generate(
     done = time.perf_counter()
     scorer = functools.partial(score_or_error, llm) if score else None
     scored = scorer(outputs) if scorer else None
-    served_phases = run_phases(llm, prompts, params, max_tokens, alone, scorer) if phases else None
+    served_phases = (
+        run_phases(llm, prompts, params, max_tokens, alone, scorer, prefix_tokens)
+        if phases
+        else None
+    )
     # after the requests above, whose outputs the timers must not touch
     step_times = time_steps(llm, step_batches, max_tokens) if step_batches else None
     syncs = None
@@ -593,10 +596,12 @@ def run_phases(
     max_tokens: int,
     alone_count: int | None,
     scorer: Callable[[list], dict] | None = None,
+    prefix_tokens: int | None = None,
 ) -> dict:
     """The same requests served again in the same engine, in the shapes the lossless
     matrix asks for: each prompt alone (batch 1; the first ``alone_count``), and each
-    behind one shared prefix of at least three KV blocks, twice, with short answers,
+    behind one shared prefix (``prefix_tokens``, else three KV blocks), twice, with
+    short answers,
     the second pass measured for prefix-cache hits (vLLM does not reuse the last
     matched block where the drafter reads the target's hidden states, so one block
     is not enough). A ``scorer`` (``teacher_forced``) scores each phase's answers once
@@ -619,14 +624,13 @@ def run_phases(
         )
         for param in params
     ]
-    prefix = shared_prefix(llm, short_tokens)
+    prefix = shared_prefix(llm, short_tokens, prefix_tokens)
     prefixed = [prefix + prompt for prompt in prompts]
     served(prefixed, short)
     queries, hits = prefix_cache_counts(llm)
     second = served(prefixed, short)
     queries_after, hits_after = prefix_cache_counts(llm)
     return {
-        "kv_block_size": llm.llm_engine.vllm_config.cache_config.block_size,
         "alone": phase_record(alone, scorer),
         "shared_prefix": {
             **phase_record(second, scorer),
@@ -645,12 +649,14 @@ def phase_record(outputs: list, scorer: Callable[[list], dict] | None = None) ->
     }
 
 
-def shared_prefix(llm, max_tokens: int) -> str:  # noqa: ANN001
-    """A text of at least three KV blocks of the engine's block size (fewer where the
-    context cannot hold them beside the longest answer)."""
+def shared_prefix(llm, max_tokens: int, tokens: int | None = None) -> str:  # noqa: ANN001
+    """A text of at least ``tokens`` tokens, else three KV blocks of the front end's
+    block size (fewer where the context cannot hold them beside the longest answer).
+    DeepSeek-V4's backend picks its 256-token blocks in the engine core, and the front
+    end's config still says 4, so a V4 caller gives the length."""
     config = llm.llm_engine.vllm_config
     room = config.model_config.max_model_len - max_tokens - 32
-    wanted = min(3 * config.cache_config.block_size + 1, room)
+    wanted = min(tokens or 3 * config.cache_config.block_size + 1, room)
     tokenizer = llm.get_tokenizer()
     lines = []
     while len(tokenizer.encode("".join(lines))) < wanted:
@@ -783,9 +789,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, help="at most --max-num-batched-tokens")
     parser.add_argument(
-        "--block-size",
+        "--prefix-tokens",
         type=int,
-        help="KV block size in tokens, where the front end cannot see the backend's choice",
+        help="with --phases: the shared prefix's length (default: three KV blocks)",
     )
     parser.add_argument("--alone", type=int, help="with --phases: this many prompts alone")
     parser.add_argument(
@@ -833,7 +839,7 @@ def main() -> None:
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
-        block_size=args.block_size,
+        prefix_tokens=args.prefix_tokens,
         alone=args.alone,
         score=args.teacher_forced,
         accept_drafts=args.accept_drafts,

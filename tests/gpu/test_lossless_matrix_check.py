@@ -22,7 +22,7 @@ def record(tokens: list[int], preemptions: int = 2, hits: float = 64.0) -> dict:
     return {
         **phase,
         "preemptions": preemptions,
-        "phases": {"kv_block_size": 16, "alone": dict(phase), "shared_prefix": shared},
+        "phases": {"alone": dict(phase), "shared_prefix": shared},
     }
 
 

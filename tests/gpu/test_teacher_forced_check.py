@@ -75,7 +75,7 @@ def matrix_record(gaps: list[list[float]]) -> dict:
     return {
         **phase,
         "preemptions": 2,
-        "phases": {"kv_block_size": 16, "alone": dict(phase), "shared_prefix": shared},
+        "phases": {"alone": dict(phase), "shared_prefix": shared},
     }
 
 
