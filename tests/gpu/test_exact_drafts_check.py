@@ -66,3 +66,19 @@ def test_too_few_blocks_to_compare_is_missing():
     result["fresh"]["records"] = result["fresh"]["records"][:1]
     with pytest.raises(suite.Missing, match="1 blocks with a recompute"):
         verdict(copy.deepcopy(result))
+
+
+def test_a_result_over_the_files_limit_is_left_out_and_its_verdict_stands(monkeypatch):
+    """The results file must come back from the machine: a result over RESULT_LIMIT
+    is replaced by a note, and checks reading it are left out when the file is
+    evaluated again (the verdict answered on the machine stands)."""
+    outcomes = {"job": suite.Outcome(run([0.5, 0.0, 0.0, 0.0]), [], "", 1.0, 0)}
+    assert verdict(outcomes["job"].result)[0] is False
+    monkeypatch.setattr(suite, "RESULT_LIMIT", 100)
+    saved = suite.saved_results(outcomes)
+    assert set(saved["job"]) == {suite.OMITTED}
+    reloaded = {"job": suite.Outcome(saved["job"], None, "", 1.0, 0)}
+    with pytest.raises(suite.NotSaved):
+        suite.drafts_equal_recompute("job")(reloaded)
+    monkeypatch.setattr(suite, "RESULT_LIMIT", 10**9)
+    assert suite.saved_results(outcomes)["job"] is outcomes["job"].result
