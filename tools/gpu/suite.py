@@ -172,6 +172,12 @@ def v4_matrix_jobs(v4: list[str], v1_env: dict, overlay_env: dict) -> list[Job]:
     return jobs
 
 
+V4_COMPILED_HALVES = {
+    "compile-only": ["--cudagraph-mode", "NONE"],
+    "piecewise": ["--cudagraph-mode", "PIECEWISE"],
+}
+
+
 def v4_jobs() -> list[Job]:
     """The shrunken DeepSeek-V4 (real widths, real checkpoint format), bfloat16 with
     its fp8 attention and fp4 experts, eager and compiled, on the V1 runner; and with
@@ -193,6 +199,13 @@ def v4_jobs() -> list[Job]:
         # the same engine again: what numeric noise alone does to greedy picks
         Job("v4-nospec-eager-again", [*v4, "--count-syncs"], False, v1_env, part="v4"),
         Job("v4-nospec", [*reference, "--no-eager"], False, v1_env, part="v4-compiled"),
+        # which half of compilation moves stock's answers off its own picks (2026-12-04:
+        # FULL_AND_PIECEWISE up to 6.3 nats, eager 1.1): Inductor alone, then with
+        # piecewise graphs; beside the eager reference, in its call
+        *(
+            Job(f"v4-nospec-{name}", [*reference, "--no-eager", *mode], False, v1_env, part="v4")
+            for name, mode in V4_COMPILED_HALVES.items()
+        ),
         # the V2 runner's own numbers, which stock DSpark on V2 must equal
         Job("v4-nospec-v2", reference, False, v2_env, min_version="0.26", part="v4"),
         Job("v4-dspark-stock", [*v4, *in_checkpoint], False, v2_env, min_version="0.26", part="v4"),
@@ -1326,6 +1339,18 @@ CHECKS: dict[str, Check] = {
     "v4: overlay DSpark on V1, compiled: every answer token the target's own pick": (
         teacher_forced_lossless("v4-dspark-overlay-v1-compiled", ("v4-nospec",))
     ),
+    **{
+        f"v4 (diagnostic): no speculation, compiled, CUDA graphs {mode[-1]}, equals eager up "
+        "to near-ties": same_until_near_tie("v4-nospec-eager", f"v4-nospec-{name}")
+        for name, mode in V4_COMPILED_HALVES.items()
+    },
+    **{
+        f"v4 (diagnostic): no speculation, compiled, CUDA graphs {mode[-1]}: every answer "
+        "token the target's own pick up to eager's gaps": teacher_forced_lossless(
+            f"v4-nospec-{name}", ("v4-nospec-eager",)
+        )
+        for name, mode in V4_COMPILED_HALVES.items()
+    },
     "v4: no host sync in the target's attention metadata (stock, V1)": no_metadata_syncs(
         "v4-nospec-eager-again"
     ),
