@@ -482,16 +482,20 @@ def time_steps(llm, batches: tuple[int, ...], max_tokens: int) -> dict:  # noqa:
 def model_depths(worker) -> dict:  # noqa: ANN001
     """Runs in the worker: the target's layer count and the draft's stage count (what
     a per-layer figure divides by)."""
-    from vllm_v4_patches.dspark.checkpoint import draft_spec
+    from vllm_v4_patches.dspark.checkpoint import draft_spec, load_draft_spec
 
     runner = worker.model_runner
     depths = {"target_layers": runner.model_config.hf_config.num_hidden_layers}
     drafter = getattr(runner, "drafter", None)
     if drafter is not None and hasattr(drafter, "draft_model_config"):
-        draft_config = drafter.draft_model_config.hf_config
-        # vLLM's V4 draft config keeps the stage count under its own name
-        stages = draft_spec(draft_config).num_draft_layers
-        depths["draft_stages"] = stages or getattr(draft_config, "num_nextn_predict_layers", None)
+        # a V4 checkpoint counts its stages in inference/config.json (n_mtp_layers),
+        # which vLLM's loaded config does not carry (its num_nextn_predict_layers is
+        # the target's MTP depth, 1)
+        try:
+            spec = load_draft_spec(drafter.draft_model_config.model)
+        except (OSError, ValueError):
+            spec = draft_spec(drafter.draft_model_config.hf_config)
+        depths["draft_stages"] = spec.num_draft_layers
     return depths
 
 

@@ -980,3 +980,21 @@ def test_a_config_that_switches_the_head_off_reads_no_weight(built: Path, tmp_pa
 
     spec = replace(load_draft_spec(built), enable_confidence_head=False)
     assert read_v4_confidence_weight(str(built), spec) is None
+
+
+def test_the_step_timer_divides_by_the_checkpoints_stages(built: Path) -> None:
+    """``generate.model_depths`` (the per-stage figure's divisor) on a stand-in worker
+    (a namespace: no CPU engine runs V4) holding what vLLM 0.26.0 gives the drafter,
+    the V4 config loaded from the target's directory, whose
+    ``num_nextn_predict_layers`` (1) is not the stage count."""
+    import generate
+
+    config = read_json(built / "config.json")
+    assert config["num_nextn_predict_layers"] != 3
+    loaded = SimpleNamespace(**config)
+    drafter = SimpleNamespace(
+        draft_model_config=SimpleNamespace(model=str(built), hf_config=loaded)
+    )
+    runner = SimpleNamespace(model_config=SimpleNamespace(hf_config=loaded), drafter=drafter)
+    depths = generate.model_depths(SimpleNamespace(model_runner=runner))
+    assert depths == {"target_layers": config["num_hidden_layers"], "draft_stages": 3}

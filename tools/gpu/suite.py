@@ -954,7 +954,10 @@ def step_figures(job: str, earlier_job: str | None = None) -> Check:
         # runs before the engine reported its depths: the model this suite builds
         depths = figures.get("depths") or {}
         layers = depths.get("target_layers") or V4_LAYERS
-        stages = depths.get("draft_stages") or V4_DRAFT_STAGES
+        # the stages of the checkpoint this suite builds, which the overlay's loader
+        # checks against its mtp.* weights; an engine's report may be vLLM's loaded
+        # config's num_nextn_predict_layers (1), which is not the stage count
+        stages = V4_DRAFT_STAGES
         parts, ok = [], True
         for batch in STEP_BATCHES:
             share = figures.get(batch, {"steps": 0})
