@@ -660,3 +660,22 @@ def test_v41_stages_are_refused_on_v1_even_when_the_v4_route_is_on(monkeypatch) 
     assert "\n" not in line and "DeepSeek-V4.1" in line and "/ckpt/v41" in line
     refuse_in_checkpoint_draft_on_v1(checkpoint.FORMAT_DEEPSEEK_V4, "/ckpt/v4")  # control
     refuse_in_checkpoint_draft_on_v1(checkpoint.FORMAT_DEEPSPEC_QWEN3, "/ckpt/qwen3")
+
+
+def test_the_v1_route_takes_a_v4_draft_at_its_block_size_only() -> None:
+    """N above and below ``dspark_block_size`` are refused in one line naming the
+    setting and the N accepted; a DeepSpec draft past its block is served (a warning)."""
+    from vllm_v4_patches.dspark import checkpoint
+    from vllm_v4_patches.dspark.config_hooks import refuse_other_v4_block_on_v1
+
+    block = parse_draft_config(copy.deepcopy(V4_CONFIG)).block_size
+    for v4_format in (checkpoint.FORMAT_DEEPSEEK_V4, checkpoint.FORMAT_DEEPSEEK_V41):
+        refuse_other_v4_block_on_v1(v4_format, block, block, "/ckpt/v4")
+        refuse_other_v4_block_on_v1(v4_format, None, block, "/ckpt/v4")  # vLLM's default
+        for n in (block - 1, block + 2):
+            with pytest.raises(ValueError) as refused:
+                refuse_other_v4_block_on_v1(v4_format, n, block, "/ckpt/v4")
+            line = str(refused.value)
+            assert "\n" not in line and f"num_speculative_tokens={n}" in line
+            assert f"num_speculative_tokens={block} only" in line and "/ckpt/v4" in line
+    refuse_other_v4_block_on_v1(checkpoint.FORMAT_DEEPSPEC_QWEN3, block + 2, block, "/q")

@@ -749,9 +749,9 @@ def test_v1_route_takes_the_in_checkpoint_draft_only_when_asked(
         validate_draft_checkpoint,
     )
 
-    def config() -> SimpleNamespace:
+    def config(num_tokens: int = 5) -> SimpleNamespace:
         speculative = SimpleNamespace(
-            model=str(built), num_speculative_tokens=5, draft_model_config=None
+            model=str(built), num_speculative_tokens=num_tokens, draft_model_config=None
         )
         return SimpleNamespace(
             speculative_config=speculative, model_config=SimpleNamespace(model=str(built))
@@ -770,6 +770,11 @@ def test_v1_route_takes_the_in_checkpoint_draft_only_when_asked(
         assert f"{V4_ON_V1_SETTING}=on" in line and "VLLM_USE_V2_MODEL_RUNNER" in line
     monkeypatch.setenv(V4_ON_V1_SETTING, "on")
     assert validate_draft_checkpoint(config(), runner="V1") == ()
+    # the V1 route's N is the block's (5); V2 keeps stock's own rule
+    for other in (3, 7):
+        with pytest.raises(ValueError, match=f"num_speculative_tokens={other}: "):
+            validate_draft_checkpoint(config(other), runner="V1")
+        assert validate_draft_checkpoint(config(other), runner="V2") == ()
     monkeypatch.delenv(V4_ON_V1_SETTING)
     assert validate_draft_checkpoint(config(), runner="V2") == ()  # V2 drafts it natively
 

@@ -158,8 +158,13 @@ V4_MATRIX_PROMPTS = V4_PROMPTS + (
 V4_MATRIX = ["--phases", "--alone", "2", "--max-num-batched-tokens", "256", "--max-num-seqs", "16"]
 V4_MATRIX += ["--kv-cache-gib", "0.02", "--prefix-tokens", "800"]
 V4_MATRIX += ["--max-tokens", "280", "--max-model-len", "1024"]
-# stock vLLM refuses DSpark below the draft's block size (5) in its config check
-V4_MATRIX_SPEC_TOKENS = ("5", "7")
+# stock vLLM 0.26 refuses DSpark below the draft's block size (5) in its config
+# check, and the overlay's V1 route takes the block size only: N = 7 was served here
+# and failed, its verdict stays checked (recorded runs keep it), and no job serves it
+V4_MATRIX_SPEC_TOKENS = ("5",)
+V4_MATRIX_CHECKED_TOKENS = ("5", "7")
+# N the V1 route refuses for the tiny V4 (block 5): below and above it
+V4_REFUSED_SPEC_TOKENS = ("3", "7")
 
 
 def v4_matrix_jobs(v4: list[str], v1_env: dict, overlay_env: dict) -> list[Job]:
@@ -235,6 +240,18 @@ def v4_jobs() -> list[Job]:
             part="v4",
         ),
         *v4_matrix_jobs(v4, v1_env, overlay_env),
+        # refused at configuration, before the model loads
+        *(
+            Job(
+                f"v4-dspark-overlay-v1-n{n}",
+                [*v4, "--dspark", str(TINY_V4), "--spec-tokens", n],
+                True,
+                overlay_env,
+                part="v4",
+                timeout=120,
+            )
+            for n in V4_REFUSED_SPEC_TOKENS
+        ),
         Job(
             "v4-dspark-overlay-v1-compiled",
             [*v4, *in_checkpoint, "--no-eager"],
@@ -1068,6 +1085,22 @@ def async_on(job: str) -> Check:
     return check
 
 
+def refused_in_one_line(job: str, refusals: tuple[str, ...]) -> Check:
+    """An engine that must not start: it exited with an error, and a line of its log
+    holds one of ``refusals`` (the overlay's refusal or stock's own)."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        outcome = outcomes.get(job)
+        if outcome is None:
+            raise NotRun(f"{job} not run on this release")
+        lines = [line for line in outcome.log.splitlines() if any(r in line for r in refusals)]
+        if outcome.returncode == 0 or not lines:
+            return False, f"{job} exited {outcome.returncode}; no line says {refusals[0]!r}"
+        return True, f"exited {outcome.returncode}: {lines[-1][-300:]}"
+
+    return check
+
+
 def completes(job: str) -> Check:
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
         result = result_of(outcomes, job)
@@ -1370,7 +1403,15 @@ CHECKS: dict[str, Check] = {
         f"v4 matrix: DSpark N={n} through the overlay on V1, lossless in every phase": (
             lossless_in_every_phase("v4-matrix-reference", f"v4-matrix-n{n}")
         )
-        for n in V4_MATRIX_SPEC_TOKENS
+        for n in V4_MATRIX_CHECKED_TOKENS
+    },
+    **{
+        f"v4: the overlay's V1 route refuses N={n} in one line": refused_in_one_line(
+            f"v4-dspark-overlay-v1-n{n}",
+            # the overlay's line, or stock 0.26's own below the block
+            (f"num_speculative_tokens={n}: ", f"dspark_block_size (5); got {n}."),
+        )
+        for n in V4_REFUSED_SPEC_TOKENS
     },
     "v4: the overlay's V1 drafts accept as stock V2's do": acceptance_like(
         "v4-dspark-stock", "v4-dspark-overlay-v1"

@@ -159,6 +159,9 @@ def validate_draft_checkpoint(vllm_config: Any, runner: str = "V2") -> tuple[str
         if runner == "V1":
             refuse_fill_in_layout_on_v1(spec.anchor_first, speculative.model)
             refuse_in_checkpoint_draft_on_v1(spec.format, speculative.model)
+            refuse_other_v4_block_on_v1(
+                spec.format, speculative.num_speculative_tokens, spec.block_size, speculative.model
+            )
             check_in_checkpoint_weights(spec, speculative.model)
         warn_past_block(speculative.num_speculative_tokens, spec.block_size, speculative.model)
     return expose_keys_to_dflash(draft.hf_config) if draft is not None else ()
@@ -186,8 +189,9 @@ V4_ON_V1_CHOICES = ("off", "on")
 
 def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
     """A DeepSeek-V4 target's own DSpark stages go to the overlay's V4 drafter
-    (``v4_proposer``, through vLLM's V4 draft class) only when asked for: that
-    route has not yet served a request on the GPU (``docs/dspark.md`` section 13).
+    (``v4_proposer``, through vLLM's V4 draft class) only when asked for: on the
+    H200 it is lossless eager at N = 5, not yet compiled (``docs/dspark.md``
+    section 13).
     Otherwise, and on a release without the class (before 0.25), one line."""
     from vllm_v4_patches.dspark import checkpoint
     from vllm_v4_patches.toggles import read_choice
@@ -221,6 +225,25 @@ def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
             f"the overlay's V1 route for them is unproven and off ({V4_ON_V1_SETTING}=on "
             "tries it)"
         )
+
+
+def refuse_other_v4_block_on_v1(
+    draft_format: str, num_tokens: int | None, block_size: int, draft: str
+) -> None:
+    """The V1 route drafts a DeepSeek-V4 checkpoint's stages at N equal to their
+    ``dspark_block_size`` only: that N passed the lossless matrix on the H200, while
+    N = 7 (above the block) did not, and vLLM 0.25 takes N below the block, which
+    upstream users report garbled. One line for any other N."""
+    from vllm_v4_patches.dspark import checkpoint
+
+    v4_formats = (checkpoint.FORMAT_DEEPSEEK_V4, checkpoint.FORMAT_DEEPSEEK_V41)
+    if draft_format not in v4_formats or num_tokens is None or num_tokens == block_size:
+        return
+    raise ValueError(
+        f"speculative_config.num_speculative_tokens={num_tokens}: vllm_v4_patches' V1 "
+        f"route drafts the DSpark stages of {draft} at num_speculative_tokens="
+        f"{block_size} only (their dspark_block_size), the one shown lossless there"
+    )
 
 
 def has_v4_draft_class() -> bool:
