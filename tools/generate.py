@@ -335,12 +335,26 @@ SYNC_COUNTED = (
 
 
 def sync_site(filename: str) -> str:
-    """A source file as a path inside its package (``vllm/...``), not the machine's."""
+    """A source file as a path inside its package (``vllm/...``), not the machine's
+    (the last such folder: an install may live under a folder of the same name)."""
     parts = filename.replace("\\", "/").split("/")
     for root in ("vllm", "vllm_v4_patches", "torch"):
         if root in parts:
-            return "/".join(parts[parts.index(root) :])
+            last = len(parts) - 1 - parts[::-1].index(root)
+            return "/".join(parts[last:])
     return parts[-1]
+
+
+def sync_caller(stack: list, fallback: tuple[str, int]) -> tuple[str, int]:
+    """The innermost frame of ``stack`` (``traceback.extract_stack()`` at the sync's
+    warning) outside torch, the warnings machinery and this counter: the line that
+    asked for the sync (torch's own frame says only which torch call synced)."""
+    for frame in reversed(stack):
+        site = sync_site(frame.filename)
+        if site.startswith("torch/") or site in ("warnings.py", "generate.py"):
+            continue
+        return frame.filename, frame.lineno
+    return fallback
 
 
 def install_sync_counter(worker) -> list[str]:  # noqa: ANN001
@@ -369,21 +383,29 @@ def install_sync_counter(worker) -> list[str]:  # noqa: ANN001
             # a counted call inside another (the drafter's metadata inside propose)
             # keeps its syncs: the outer count excludes them
             previous = torch.cuda.get_sync_debug_mode()
-            with warnings.catch_warnings(record=True) as caught:
+            syncs: list[tuple[str, int]] = []
+
+            def keep(
+                message, category, filename, lineno, file=None, line=None
+            ):  # noqa: ANN001, ANN202, ARG001
+                if "synchronizing" in str(message):
+                    syncs.append(sync_caller(traceback.extract_stack(), (filename, lineno)))
+
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
+                warnings.showwarning = keep
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
                     return _method(*args, **kwargs)
                 finally:
                     torch.cuda.set_sync_debug_mode(previous)
-                    syncs = [w for w in caught if "synchronizing" in str(w.message)]
                     record = counts[_key]
                     record["calls"] += 1
                     record["syncs"] += len(syncs)
                     # where: a one-off at the first call (a lazy set-up) is not a
                     # per-step sync
-                    for sync in syncs:
-                        site = f"{sync_site(sync.filename)}:{sync.lineno}"
+                    for filename, lineno in syncs:
+                        site = f"{sync_site(filename)}:{lineno}"
                         sites = record.setdefault("sites", {})
                         sites[site] = sites.get(site, 0) + 1
                     if syncs and len(record.setdefault("calls_with_syncs", [])) < 8:

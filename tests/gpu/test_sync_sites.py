@@ -1,0 +1,41 @@
+"""Where the GPU suite's sync counter says a host sync came from
+(``generate.sync_site`` and ``generate.sync_caller``), on stacks built here: CUDA's
+sync debug mode warns from inside torch, so the counter walks out to the caller.
+No GPU needed (the warnings themselves only come from CUDA)."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+
+import generate  # noqa: E402
+
+TORCH = "/opt/torch/.venv/lib/python3.12/site-packages/torch/cuda/__init__.py"
+BUILDER = "/tmp/gpu-site/0.26.0-v4/vllm/v1/attention/backends/mla/indexer.py"
+
+
+def frame(filename: str, lineno: int) -> traceback.FrameSummary:
+    return traceback.FrameSummary(filename, lineno, "f", lookup_line=False)
+
+
+def test_a_site_is_named_inside_its_package_from_the_last_package_folder():
+    assert generate.sync_site(TORCH) == "torch/cuda/__init__.py"
+    assert generate.sync_site(BUILDER) == "vllm/v1/attention/backends/mla/indexer.py"
+    assert generate.sync_site("/work/x/tools/generate.py") == "generate.py"
+
+
+def test_the_caller_is_the_innermost_frame_outside_torch_and_the_counter():
+    stack = [
+        frame("/work/x/tools/generate.py", 10),
+        frame(BUILDER, 321),
+        frame("/usr/lib/python3.12/warnings.py", 99),
+        frame(TORCH, 1270),
+        frame("/work/x/tools/generate.py", 380),
+    ]
+    assert generate.sync_caller(stack, (TORCH, 1270)) == (BUILDER, 321)
+    only_torch = [frame(TORCH, 1270), frame("/work/x/tools/generate.py", 380)]
+    assert generate.sync_caller(only_torch, (TORCH, 1270)) == (TORCH, 1270)
