@@ -190,7 +190,7 @@ V4_ON_V1_CHOICES = ("off", "on")
 def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
     """A DeepSeek-V4 target's own DSpark stages go to the overlay's V4 drafter
     (``v4_proposer``, through vLLM's V4 draft class) only when asked for: on the
-    H200 it is lossless eager at N = 5, not yet compiled (``docs/dspark.md``
+    H200 it is lossless eager at N = 5, not yet with CUDA graphs (``docs/dspark.md``
     section 13).
     Otherwise, and on a release without the class (before 0.25), one line."""
     from vllm_v4_patches.dspark import checkpoint
