@@ -143,8 +143,8 @@ V4_PROMPTS = (
 # held 23.6 such contexts and sixteen 280-token answers without a preemption (2 GiB
 # held 397 of 256 tokens beside the draft's cache); 0.02 GiB holds about six, under
 # the sixteen answers' two blocks each. vLLM keeps max_num_seqs times the draft's new
-# slots (up to N) of each step's tokens for drafting, so 256 tokens leave 144 at
-# N = 7 for the batch: prefill is chunked. N = 5 and 7 against one reference.
+# slots (up to N) of each step's tokens for drafting, so 256 tokens leave at least
+# 144 (N = 7) for the batch: prefill is chunked. DSpark engines against one reference.
 V4_MATRIX_PROMPTS = V4_PROMPTS + (
     "while True:",
     "return the",
