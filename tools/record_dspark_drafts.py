@@ -6,6 +6,13 @@ the request's prompt, the anchor token and its position, the draft's base
 logits for the N slots and the N tokens drafted. Prints ``RESULT {json}`` with the
 records, so a test can recompute each block from scratch on the committed prefix.
 
+With ``--served-context`` (a DeepSeek-V4 draft), the recompute is run a second time
+with the context the served requests gave the draft: every committed position's
+combined target hidden state, as served, replaces the one the recompute's prefill
+computed. The draft then sees the same inputs in both runs, so what is left of a
+difference is the serving loop's (slots, context rows, positions), not the target's
+numerics at another batch shape.
+
     python tools/record_dspark_drafts.py TARGET DRAFT [--max-tokens N] [--prompts ...]
 """
 
@@ -47,7 +54,91 @@ def install_recorder(worker) -> None:  # noqa: ANN001
 
     drafter._sample_draft_tokens = recording
     worker.dspark_records = records
+    if hasattr(drafter, "draft_groups"):  # the V4 drafter: its context can be swapped
+        worker.served_context = ServedContext(runner, drafter)
     worker.published_ids = _capture_published_request_ids(runner)
+
+
+class ServedContext:
+    """The V4 drafter's context rows, by request and position: recorded while the
+    served requests run, then written over a recompute's own (``mode``).
+
+    A committed position's row is written once, in the step that verified its token
+    (rejected rows carry slot -1 and are skipped), so the last row recorded for a
+    position is the one every later block of that request read."""
+
+    def __init__(self, runner, drafter) -> None:  # noqa: ANN001
+        self.runner, self.drafter = runner, drafter
+        self.rows: dict[str, dict[int, object]] = {}
+        self.prompts: dict[str, tuple[int, ...]] = {}
+        self.mode = "record"  # then "off" (a pristine recompute), then "substitute"
+        self.replaced = self.missing = 0
+        self.common = None
+        set_inputs, build_inputs = (
+            drafter.set_inputs_first_pass,
+            drafter.build_model_inputs_first_pass,
+        )
+
+        def keep_common(**kwargs):  # noqa: ANN003, ANN202
+            self.common = kwargs["cad"]
+            return set_inputs(**kwargs)
+
+        def visit_context(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.visit()
+            return build_inputs(*args, **kwargs)
+
+        drafter.set_inputs_first_pass = keep_common
+        drafter.build_model_inputs_first_pass = visit_context
+
+    def visit(self) -> None:
+        if self.mode == "off":
+            return
+        from vllm_v4_patches.dspark.v4_proposer import token_rows
+
+        drafter, batch = self.drafter, self.runner.input_batch
+        count = drafter._dflash_num_context
+        hidden = drafter._dflash_hidden_states
+        rows = token_rows(self.common.query_start_loc, self.common.num_reqs, count).tolist()
+        positions = drafter._context_positions_buffer[:count].tolist()
+        slots = drafter._context_slot_mapping_buffer[:count].tolist()
+        for index, (row, position, slot) in enumerate(zip(rows, positions, slots, strict=True)):
+            if slot < 0:
+                continue
+            request = batch.req_ids[row]
+            prompt = tuple(batch.token_ids_cpu[row, : int(batch.num_prompt_tokens[row])].tolist())
+            if self.mode == "record":
+                self.prompts[request] = prompt
+                self.rows.setdefault(request, {})[position] = hidden[index].clone()
+                continue
+            served = self.rows.get(self.source_of(prompt), {}).get(position)
+            if served is None:
+                self.missing += 1
+            else:
+                hidden[index].copy_(served)
+                self.replaced += 1
+
+    def source_of(self, prompt: tuple[int, ...]) -> str | None:
+        """The served request whose prompt the recompute's prompt extends (longest)."""
+        matches = [
+            (len(own), request)
+            for request, own in self.prompts.items()
+            if prompt[: len(own)] == own
+        ]
+        return max(matches)[1] if matches else None
+
+
+def set_context_mode(mode: str):  # noqa: ANN201
+    """A worker call that stops recording (``off``) or starts substituting."""
+
+    def set_mode(worker) -> None:  # noqa: ANN001
+        worker.served_context.mode = mode
+
+    return set_mode
+
+
+def substitution_counts(worker) -> dict:  # noqa: ANN001
+    context = worker.served_context
+    return {"replaced": context.replaced, "missing": context.missing}
 
 
 def _capture_published_request_ids(runner) -> list:  # noqa: ANN001
@@ -128,6 +219,12 @@ def main() -> None:
         help="then serve each committed prefix as a new prompt in the same engine, prefix "
         "caching off: each block's from-scratch twin (RESULT's 'fresh')",
     )
+    parser.add_argument(
+        "--served-context",
+        action="store_true",
+        help="with --recompute and a DeepSeek-V4 draft: recompute again with the served "
+        "context rows in place of the recompute's own (RESULT's 'fresh_served')",
+    )
     options = parser.parse_args()
     # collective_rpc ships the recorder to the worker by value
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -146,8 +243,15 @@ def main() -> None:
     result = serve(llm, options.prompts, options.max_tokens)
     if options.recompute:
         prefixes = committed_prefixes(result)
-        fresh = serve(llm, [{"prompt_token_ids": ids} for ids in prefixes], 2)
-        result.update(prefixes=prefixes, fresh=fresh)
+        prompts = [{"prompt_token_ids": ids} for ids in prefixes]
+        if options.served_context:
+            llm.collective_rpc(set_context_mode("off"))
+        result.update(prefixes=prefixes, fresh=serve(llm, prompts, 2))
+        if options.served_context:
+            llm.collective_rpc(set_context_mode("substitute"))
+            served = serve(llm, prompts, 2)
+            (served["substituted"],) = llm.collective_rpc(substitution_counts)
+            result["fresh_served"] = served
     print("RESULT " + json.dumps(result), flush=True)
 
 

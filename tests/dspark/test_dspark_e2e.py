@@ -344,7 +344,7 @@ def test_served_draft_logits_equal_a_from_scratch_recompute(dspark_pair, runs):
     import suite
 
     outcome = suite.Outcome(served, [], "", 1.0, 0)
-    passed, figure = suite.drafts_equal_recompute("served")({"served": outcome})
+    passed, figure = suite.drafts_equal_recompute(("served",))({"served": outcome})
     assert passed, figure
 
     target = TinyQwen3ForCausalLM.from_pretrained(target_dir).eval()

@@ -37,7 +37,7 @@ def run(served_offsets: list[float] | None = None) -> dict:
 
 
 def verdict(result: dict) -> tuple[bool, str]:
-    return suite.drafts_equal_recompute("job")({"job": suite.Outcome(result, [], "", 1.0, 0)})
+    return suite.drafts_equal_recompute(("job",))({"job": suite.Outcome(result, [], "", 1.0, 0)})
 
 
 def test_blocks_equal_to_their_recompute_pass():
@@ -79,6 +79,35 @@ def test_a_result_over_the_files_limit_is_left_out_and_its_verdict_stands(monkey
     assert set(saved["job"]) == {suite.OMITTED}
     reloaded = {"job": suite.Outcome(saved["job"], None, "", 1.0, 0)}
     with pytest.raises(suite.NotSaved):
-        suite.drafts_equal_recompute("job")(reloaded)
+        suite.drafts_equal_recompute(("job",))(reloaded)
     monkeypatch.setattr(suite, "RESULT_LIMIT", 10**9)
     assert suite.saved_results(outcomes)["job"] is outcomes["job"].result
+
+
+def served_context_verdict(result: dict) -> tuple[bool, str]:
+    check = suite.drafts_equal_recompute(("job",), "fresh_served")
+    return check({"job": suite.Outcome(result, [], "", 1.0, 0)})
+
+
+def with_served_recompute(result: dict, replaced: int, missing: int) -> dict:
+    """The same recompute, as the ``--served-context`` pass reports it."""
+    served = copy.deepcopy(result["fresh"])
+    served["substituted"] = {"replaced": replaced, "missing": missing}
+    return {**result, "fresh_served": served}
+
+
+def test_the_served_context_recompute_is_judged_with_its_row_counts():
+    passed, text = served_context_verdict(with_served_recompute(run(), 40, 0))
+    assert passed, text
+    assert "replaced by the served ones 40, without a served row 0" in text
+
+
+def test_a_recompute_row_without_a_served_row_fails():
+    """A recompute that read its own context for some row compared nothing served."""
+    passed, text = served_context_verdict(with_served_recompute(run(), 40, 3))
+    assert not passed and "without a served row 3" in text
+
+
+def test_a_run_without_the_served_context_recompute_is_missing():
+    with pytest.raises(suite.Missing, match="no 'fresh_served' recompute"):
+        served_context_verdict(run())

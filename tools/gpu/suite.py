@@ -226,9 +226,16 @@ def v4_jobs() -> list[Job]:
         ),
         # every served block against its recompute on the committed prefix
         Job(
-            "v4-dspark-overlay-v1-exact",
+            EXACT_JOBS[0],
             [RECORD_DRAFTS, str(TINY_V4), str(TINY_V4), *V4_ENGINE, *KV, "--spec-tokens", "5"]
-            + ["--max-tokens", "24", "--prompts", *V4_PROMPTS[:4], "--recompute"],
+            + [
+                "--max-tokens",
+                "24",
+                "--prompts",
+                *V4_PROMPTS[:4],
+                "--recompute",
+                "--served-context",
+            ],
             True,
             overlay_env,
             part="v4",
@@ -828,6 +835,8 @@ def teacher_forced_lossless(
 # a served block's logits may differ from its recompute's by at most this share of
 # what a wrong context (another committed prefix) moves them
 EXACT_SHARE = 0.1
+# the exact-drafting job, then its name in runs before it recomputed from served context
+EXACT_JOBS = ("v4-dspark-overlay-v1-exact-served", "v4-dspark-overlay-v1-exact")
 
 
 def block_differences(record: dict, twin: dict) -> float:
@@ -839,7 +848,7 @@ def block_differences(record: dict, twin: dict) -> float:
     )
 
 
-def drafts_equal_recompute(job: str) -> Check:
+def drafts_equal_recompute(jobs: tuple[str, ...], twins: str = "fresh") -> Check:
     """Exact drafting (``record_dspark_drafts.py --recompute``): every block the
     serving loop drafted, against the first block the same engine drafts for its
     committed prefix served as a new prompt with prefix caching off (only pristine
@@ -847,12 +856,20 @@ def drafts_equal_recompute(job: str) -> Check:
     whose recompute anchored on another token (a greedy near-tie of the target) are
     counted, not compared. The tolerance is a share (EXACT_SHARE) of the control: the
     same blocks against the recompute of another committed prefix, what a context
-    off by a token or a request does to these logits."""
+    off by a token or a request does to these logits.
+
+    ``twins="fresh_served"`` (``--served-context``) judges the recompute that read the
+    served requests' own context rows: the draft's inputs are then the same in both,
+    and every row of every recompute must have been replaced. ``jobs``: the first of
+    them a run ran (the job was renamed when it gained the served-context pass)."""
 
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        job = next((name for name in jobs if name in outcomes), jobs[0])
         result = result_of(outcomes, job)
+        if twins not in result:
+            raise Missing(f"{job}: no {twins!r} recompute in the result")
         fresh: dict[tuple, dict] = {}
-        for record in result["fresh"]["records"]:
+        for record in result[twins]["records"]:
             fresh.setdefault(tuple(record["prompt"]), record)
         pairs = [
             (record, fresh.get(tuple(prefix)))
@@ -868,12 +885,20 @@ def drafts_equal_recompute(job: str) -> Check:
         )
         equal_drafts = sum(r["drafts"] == t["drafts"] for r, t in compared)
         ok = worst <= EXACT_SHARE * control and len(compared) * 5 >= 4 * len(pairs)
-        return ok, (
+        figure = (
             f"{len(compared)}/{len(pairs)} served blocks compared with their recompute "
             f"(others anchored elsewhere or not recomputed); largest logit difference "
             f"{worst:.4g} against {control:.4g} for another prefix's block (median); "
             f"{equal_drafts}/{len(compared)} blocks drafted the same tokens"
         )
+        counts = result[twins].get("substituted")
+        if counts is not None:
+            ok = ok and counts["replaced"] > 0 and counts["missing"] == 0
+            figure += (
+                f"; context rows replaced by the served ones {counts['replaced']}, "
+                f"without a served row {counts['missing']}"
+            )
+        return ok, figure
 
     return check
 
@@ -1394,8 +1419,10 @@ CHECKS: dict[str, Check] = {
         "v4-nospec-eager-again"
     ),
     "v4: every served draft block equals its recompute on the committed prefix (V1, eager)": (
-        drafts_equal_recompute("v4-dspark-overlay-v1-exact")
+        drafts_equal_recompute(EXACT_JOBS)
     ),
+    "v4: every served draft block equals its recompute from the served context rows (V1, "
+    "eager)": drafts_equal_recompute(EXACT_JOBS[:1], "fresh_served"),
     "v4 (diagnostic): host syncs per step of the overlay's V4 drafter": sync_figures(
         "v4-dspark-overlay-v1"
     ),
