@@ -357,6 +357,19 @@ def sync_caller(stack: list, fallback: tuple[str, int]) -> tuple[str, int]:
     return fallback
 
 
+def torch_call(stack: list) -> str:
+    """The torch function the sync's caller called (the outermost torch frame of the
+    innermost run of them): the site of a sync says who asked and for what."""
+    called = ""
+    for frame in reversed(stack):
+        site = sync_site(frame.filename)
+        if site.startswith("torch/"):
+            called = frame.name
+        elif called or site not in ("warnings.py", "generate.py"):
+            break
+    return called or "a C-level op"  # e.g. Tensor.item(): no Python frame in torch
+
+
 def install_sync_counter(worker) -> list[str]:  # noqa: ANN001
     """Runs in the worker: count the host synchronisations (CUDA sync debug mode's
     warnings: .item(), .cpu(), .tolist(), blocking copies to the host...) each call
@@ -389,7 +402,9 @@ def install_sync_counter(worker) -> list[str]:  # noqa: ANN001
                 message, category, filename, lineno, file=None, line=None
             ):  # noqa: ANN001, ANN202, ARG001
                 if "synchronizing" in str(message):
-                    syncs.append(sync_caller(traceback.extract_stack(), (filename, lineno)))
+                    stack = traceback.extract_stack()
+                    caller = sync_caller(stack, (filename, lineno))
+                    syncs.append((*caller, torch_call(stack)))
 
             with warnings.catch_warnings():
                 warnings.simplefilter("always")
@@ -404,8 +419,8 @@ def install_sync_counter(worker) -> list[str]:  # noqa: ANN001
                     record["syncs"] += len(syncs)
                     # where: a one-off at the first call (a lazy set-up) is not a
                     # per-step sync
-                    for filename, lineno in syncs:
-                        site = f"{sync_site(filename)}:{lineno}"
+                    for filename, lineno, called in syncs:
+                        site = f"{sync_site(filename)}:{lineno} ({called})"
                         sites = record.setdefault("sites", {})
                         sites[site] = sites.get(site, 0) + 1
                     if syncs and len(record.setdefault("calls_with_syncs", [])) < 8:

@@ -25,8 +25,18 @@ import os
 DEFAULT_PROMPTS = ["def main(", "class Parser:"]
 
 
-def install_recorder(worker) -> None:  # noqa: ANN001
+def sparse(logits) -> dict:  # noqa: ANN001
+    """A slot's logits as its non-zero entries: exact, and small where most of the
+    vocabulary's rows are zero (the tiny V4's LM head keeps 16)."""
+    import torch
+
+    ids = torch.nonzero(logits).flatten()
+    return {"size": logits.shape[0], "ids": ids.tolist(), "values": logits[ids].tolist()}
+
+
+def install_recorder(worker, sparse_logits: bool = False) -> None:  # noqa: ANN001
     """Runs in the worker: wrap this drafter instance's sampling stage."""
+    worker.sparse_logits = sparse_logits
     runner = worker.model_runner
     drafter = runner.drafter
     sample = drafter._sample_draft_tokens
@@ -35,6 +45,7 @@ def install_recorder(worker) -> None:  # noqa: ANN001
     def recording(hidden_states, sampling_metadata):  # noqa: ANN001, ANN202
         slots = drafter.num_speculative_tokens
         base = drafter.model.compute_draft_logits(hidden_states).float().cpu()
+        rows = [sparse(slot) for slot in base] if worker.sparse_logits else base.tolist()
         drafts, probs = sample(hidden_states, sampling_metadata)
         batch = runner.input_batch
         for row in range(base.shape[0] // slots):
@@ -46,7 +57,7 @@ def install_recorder(worker) -> None:  # noqa: ANN001
                     "prompt": batch.token_ids_cpu[row, :prompt_length].tolist(),
                     "anchor_position": int(drafter.positions[row * slots]),
                     "anchor": int(drafter._anchors[row]),
-                    "base_logits": base[row * slots : (row + 1) * slots].tolist(),
+                    "base_logits": rows[row * slots : (row + 1) * slots],
                     "drafts": drafts[row * slots : (row + 1) * slots].tolist(),
                 }
             )
@@ -112,7 +123,9 @@ class ServedContext:
                 continue
             served = self.rows.get(self.source_of(prompt), {}).get(position)
             if served is None:
-                self.missing += 1
+                # past the committed prefix (the recompute's own next step) the served
+                # request may have no row; within it every row must be replaced
+                self.missing += position < len(prompt)
             else:
                 hidden[index].copy_(served)
                 self.replaced += 1
@@ -137,6 +150,7 @@ def set_context_mode(mode: str):  # noqa: ANN201
 
 
 def substitution_counts(worker) -> dict:  # noqa: ANN001
+    """Context rows replaced by served ones, and committed-prefix rows without one."""
     context = worker.served_context
     return {"replaced": context.replaced, "missing": context.missing}
 
@@ -220,6 +234,12 @@ def main() -> None:
         "caching off: each block's from-scratch twin (RESULT's 'fresh')",
     )
     parser.add_argument(
+        "--sparse-logits",
+        action="store_true",
+        help="record each slot's draft logits as its non-zero entries (a result the GPU "
+        "suite can keep)",
+    )
+    parser.add_argument(
         "--served-context",
         action="store_true",
         help="with --recompute and a DeepSeek-V4 draft: recompute again with the served "
@@ -239,7 +259,7 @@ def main() -> None:
         **({"enable_prefix_caching": False} if options.recompute else {}),
         **({"kv_cache_dtype": options.kv_cache_dtype} if options.kv_cache_dtype else {}),
     )
-    llm.collective_rpc(install_recorder)
+    llm.collective_rpc(install_recorder, args=(options.sparse_logits,))
     result = serve(llm, options.prompts, options.max_tokens)
     if options.recompute:
         prefixes = committed_prefixes(result)

@@ -16,10 +16,17 @@ sys.path.insert(0, str(REPO / "tools" / "gpu"))
 import suite  # noqa: E402
 
 
-def block(prompt: list[int], anchor: int, scale: float) -> dict:
-    """A record of one drafted block: two slots of three draft logits each."""
+def block(prompt: list[int], anchor: int, scale: float, position: int | None = None) -> dict:
+    """A record of one drafted block: two slots of three draft logits each, anchored
+    at ``position`` (right after the prompt unless given)."""
     logits = [[scale, 2 * scale, -scale], [0.5 * scale, scale, 3 * scale]]
-    return {"prompt": prompt, "anchor": anchor, "base_logits": logits, "drafts": [1, 2]}
+    return {
+        "prompt": prompt,
+        "anchor": anchor,
+        "anchor_position": len(prompt) if position is None else position,
+        "base_logits": logits,
+        "drafts": [1, 2],
+    }
 
 
 def run(served_offsets: list[float] | None = None) -> dict:
@@ -29,7 +36,7 @@ def run(served_offsets: list[float] | None = None) -> dict:
     prefixes = [[7], [7, 8], [9], [9, 10, 11]]
     offsets = served_offsets or [0.0] * len(prefixes)
     served = [
-        block([7] if p[0] == 7 else [9], 100 + i, 1.0 + i + o)
+        block([7] if p[0] == 7 else [9], 100 + i, 1.0 + i + o, len(p))
         for i, (p, o) in enumerate(zip(prefixes, offsets, strict=True))
     ]
     fresh = [block(p, 100 + i, 1.0 + i) for i, p in enumerate(prefixes)]
@@ -111,3 +118,45 @@ def test_a_recompute_row_without_a_served_row_fails():
 def test_a_run_without_the_served_context_recompute_is_missing():
     with pytest.raises(suite.Missing, match="no 'fresh_served' recompute"):
         served_context_verdict(run())
+
+
+def as_sparse(record: dict) -> dict:
+    """The record as ``--sparse-logits`` writes it: each slot's non-zero entries."""
+    slots = [
+        {
+            "size": len(slot),
+            "ids": [i for i, v in enumerate(slot) if v],
+            "values": [v for v in slot if v],
+        }
+        for slot in record["base_logits"]
+    ]
+    return {**record, "base_logits": slots}
+
+
+def test_sparse_logits_give_the_dense_differences():
+    served = block([7], 100, 1.0)
+    served["base_logits"][0][2] = 0.0  # a zero entry the sparse form leaves out
+    twin = block([7], 100, 1.25)
+    dense = suite.block_differences(served, twin)
+    assert dense == pytest.approx(1.25)  # the zeroed entry against -1.25
+    assert suite.block_differences(as_sparse(served), as_sparse(twin)) == dense
+    assert suite.block_differences(as_sparse(served), twin) == dense
+
+
+def test_first_blocks_and_later_blocks_are_reported_apart():
+    """Prefixes [7] and [9] are their requests' first blocks (anchored right after the
+    prompt); the wrong context is put on a later one."""
+    passed, text = verdict(run([0.0, 0.0, 0.0, 0.5]))
+    assert not passed
+    assert "first blocks 0-0 (2), later blocks 0-1.5 (2)" in text
+
+
+def test_the_served_context_effect_is_reported_per_recompute_prompt():
+    """Own target rows against served rows, per recompute prompt's first block: a
+    substitution that changed nothing shows as 0."""
+    result = with_served_recompute(run(), 40, 0)
+    text = served_context_verdict(result)[1]
+    assert "served rows against the recompute's own (4 first blocks): largest 0, median 0" in text
+    result["fresh_served"]["records"][2] = block([9], 102, 3.5, 1)
+    text = served_context_verdict(result)[1]
+    assert "(4 first blocks): largest 1.5, median 0" in text

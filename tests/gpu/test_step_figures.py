@@ -58,3 +58,14 @@ def test_a_batch_without_a_step_fails_and_a_run_without_timers_is_missing():
     assert not passed and "batch 64: no step" in text
     with pytest.raises(suite.Missing):
         figure(None)
+
+
+def test_the_checked_engine_without_its_timer_job_is_not_run():
+    """A run with the timer in its own job: the checked engine alone, untimed, is not
+    a figure (runs before that job timed inside the checked engine still count)."""
+    check = suite.step_figures("timer", "checked")
+    untimed = {"checked": suite.Outcome({"step_times": None}, [], "", 1.0, 0)}
+    with pytest.raises(suite.NotRun):
+        check(untimed)
+    timed = {"checked": suite.Outcome({"step_times": {"1": SHARE, "64": SHARE}}, [], "", 1.0, 0)}
+    assert check(timed)[0]

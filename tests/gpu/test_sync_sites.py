@@ -39,3 +39,21 @@ def test_the_caller_is_the_innermost_frame_outside_torch_and_the_counter():
     assert generate.sync_caller(stack, (TORCH, 1270)) == (BUILDER, 321)
     only_torch = [frame(TORCH, 1270), frame("/work/x/tools/generate.py", 380)]
     assert generate.sync_caller(only_torch, (TORCH, 1270)) == (TORCH, 1270)
+
+
+def named(filename: str, lineno: int, name: str) -> traceback.FrameSummary:
+    return traceback.FrameSummary(filename, lineno, name, lookup_line=False)
+
+
+def test_the_torch_function_called_is_named_beside_the_caller():
+    """Outermost first, as ``traceback.extract_stack`` gives it: the builder called
+    ``Tensor.tolist``'s wrapper, which synced inside torch."""
+    stack = [
+        named(BUILDER, 321, "build"),
+        named(TORCH, 50, "tolist"),
+        named(TORCH, 1270, "_sync"),
+        named("/usr/lib/python3.12/warnings.py", 99, "_showwarnmsg"),
+        named("/work/x/tools/generate.py", 380, "keep"),
+    ]
+    assert generate.torch_call(stack) == "tolist"
+    assert generate.torch_call([named(BUILDER, 321, "build")]) == "a C-level op"

@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -235,6 +235,7 @@ def v4_jobs() -> list[Job]:
                 *V4_PROMPTS[:4],
                 "--recompute",
                 "--served-context",
+                "--sparse-logits",
             ],
             True,
             overlay_env,
@@ -839,12 +840,51 @@ EXACT_SHARE = 0.1
 EXACT_JOBS = ("v4-dspark-overlay-v1-exact-served", "v4-dspark-overlay-v1-exact")
 
 
+def slot_entries(slot: list[float] | dict) -> dict[int, float]:
+    """A slot's logits by token id: a dense list, or ``--sparse-logits``' non-zero
+    entries (the rest are zero)."""
+    if isinstance(slot, dict):
+        return dict(zip(slot["ids"], slot["values"], strict=True))
+    return dict(enumerate(slot))
+
+
 def block_differences(record: dict, twin: dict) -> float:
     """The largest difference between two blocks' draft logits."""
-    return max(
-        abs(a - b)
-        for slot, other in zip(record["base_logits"], twin["base_logits"], strict=True)
-        for a, b in zip(slot, other, strict=True)
+    largest = 0.0
+    for slot, other in zip(record["base_logits"], twin["base_logits"], strict=True):
+        mine, theirs = slot_entries(slot), slot_entries(other)
+        for token in mine.keys() | theirs.keys():
+            largest = max(largest, abs(mine.get(token, 0.0) - theirs.get(token, 0.0)))
+    return largest
+
+
+def is_first(record: dict) -> bool:
+    """A request's first drafted block: anchored right after its prompt."""
+    return record["anchor_position"] == len(record["prompt"])
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "none"
+    return f"{min(values):.3g}-{max(values):.3g} ({len(values)})"
+
+
+def served_context_effect(result: dict) -> str:
+    """How far the served context rows moved the recompute's first blocks from the
+    ones drafted on the recompute's own target rows (the same prompts, the same
+    batch): zero would mean the substitution changed nothing the draft reads."""
+    own = {tuple(r["prompt"]): r for r in reversed(result["fresh"]["records"])}
+    served = {tuple(r["prompt"]): r for r in reversed(result["fresh_served"]["records"])}
+    differences = [
+        block_differences(own[prompt], record)
+        for prompt, record in served.items()
+        if prompt in own and own[prompt]["anchor"] == record["anchor"]
+    ]
+    if not differences:
+        return "no recompute block to set against its own-row twin"
+    return (
+        f"served rows against the recompute's own ({len(differences)} first blocks): "
+        f"largest {max(differences):.4g}, median {statistics.median(differences):.4g}"
     )
 
 
@@ -878,25 +918,32 @@ def drafts_equal_recompute(jobs: tuple[str, ...], twins: str = "fresh") -> Check
         compared = [(r, t) for r, t in pairs if t is not None and t["anchor"] == r["anchor"]]
         if len(compared) < 2:
             raise Missing(f"{job}: {len(compared)} blocks with a recompute to compare")
-        worst = max(block_differences(r, t) for r, t in compared)
+        differences = [block_differences(r, t) for r, t in compared]
+        worst = max(differences)
         shifted = [t for _, t in compared[1:]] + [compared[0][1]]
         control = statistics.median(
             block_differences(r, t) for (r, _), t in zip(compared, shifted, strict=True)
         )
         equal_drafts = sum(r["drafts"] == t["drafts"] for r, t in compared)
         ok = worst <= EXACT_SHARE * control and len(compared) * 5 >= 4 * len(pairs)
+        # a request's first block follows its prefill, with no draft step before it
+        firsts = [is_first(r) for r, _ in compared]
+        first = [d for d, f in zip(differences, firsts, strict=True) if f]
+        later = [d for d, f in zip(differences, firsts, strict=True) if not f]
         figure = (
             f"{len(compared)}/{len(pairs)} served blocks compared with their recompute "
             f"(others anchored elsewhere or not recomputed); largest logit difference "
-            f"{worst:.4g} against {control:.4g} for another prefix's block (median); "
-            f"{equal_drafts}/{len(compared)} blocks drafted the same tokens"
+            f"{worst:.4g} (median {statistics.median(differences):.4g}) against "
+            f"{control:.4g} for another prefix's block (median); "
+            f"{equal_drafts}/{len(compared)} blocks drafted the same tokens; first blocks "
+            f"{spread(first)}, later blocks {spread(later)}"
         )
         counts = result[twins].get("substituted")
         if counts is not None:
             ok = ok and counts["replaced"] > 0 and counts["missing"] == 0
             figure += (
                 f"; context rows replaced by the served ones {counts['replaced']}, "
-                f"without a served row {counts['missing']}"
+                f"without a served row {counts['missing']}; {served_context_effect(result)}"
             )
         return ok, figure
 
@@ -991,8 +1038,12 @@ def step_figures(job: str, earlier_job: str | None = None) -> Check:
     at batch 1)."""
 
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
-        # runs before the timer had its own job timed inside the checked one
+        # runs before the timer had its own job timed inside the checked one; a run
+        # that ran that one without the timer did not time
         timed = earlier_job if earlier_job in outcomes and job not in outcomes else job
+        earlier = outcomes[timed].result if timed == earlier_job else None
+        if earlier is not None and OMITTED not in earlier and not earlier.get("step_times"):
+            raise NotRun(f"{job} not run, and {earlier_job} was not timed")
         figures = result_of(outcomes, timed).get("step_times")
         if not figures:
             raise Missing(f"{timed} recorded no step_times (run with --step-times)")
@@ -1598,6 +1649,12 @@ def main() -> None:
         default="all",
     )
     parser.add_argument("--deadline", type=float, default=540, help="seconds for all jobs")
+    parser.add_argument(
+        "--job-timeout",
+        type=float,
+        help="raise each engine job's own limit to this (a fresh machine's V4 start-up "
+        "compiles its kernels: over 480 s for three engines at once)",
+    )
     args = parser.parse_args()
     facts = environment()
     version = facts["vllm"]
@@ -1607,6 +1664,8 @@ def main() -> None:
         if (not args.only or j.name in args.only)
         and (args.part == j.part or (args.part == "all" and not j.part.startswith("v4")))
     ]
+    if args.job_timeout:
+        chosen = [replace(j, timeout=max(j.timeout, args.job_timeout)) for j in chosen]
     if any(str(TINY_V4) in job.args for job in chosen) and not (TINY_V4 / "config.json").exists():
         build = [sys.executable, str(REPO / "tools" / "build_tiny_v4.py"), str(TINY_V4)]
         build += ["--live-tokens", str(V4_LIVE_TOKENS), "--layers", str(V4_LAYERS)]
