@@ -160,3 +160,45 @@ def test_the_served_context_effect_is_reported_per_recompute_prompt():
     result["fresh_served"]["records"][2] = block([9], 102, 3.5, 1)
     text = served_context_verdict(result)[1]
     assert "(4 first blocks): largest 1.5, median 0" in text
+
+
+def noise_run(loop_offset: float, own_offset: float = 0.2) -> dict:
+    """Served blocks, their served-row twins off by ``loop_offset`` and their own-row
+    twins off by ``own_offset`` more (the target's noise in the context rows)."""
+    result = run([loop_offset] * 4)
+    served = copy.deepcopy(result["fresh"])
+    served["substituted"] = {"replaced": 40, "missing": 0}
+    own = [
+        block(r["prompt"], r["anchor"], 1.0 + i - own_offset)
+        for i, r in enumerate(result["fresh"]["records"])
+    ]
+    return {**result, "fresh": {"records": own}, "fresh_served": served}
+
+
+def noise_verdict(result: dict) -> tuple[bool, str]:
+    check = suite.drafts_within_noise("job")
+    return check({"job": suite.Outcome(result, [], "", 1.0, 0)})
+
+
+def test_served_blocks_within_the_targets_noise_pass():
+    passed, text = noise_verdict(noise_run(0.1))
+    assert passed, text
+    # a slot's difference is 2 or 3 times the offset (the blocks' logit scales)
+    assert "median slot difference served against served-row twin 0.25" in text
+    assert "own-row twin against served-row twin 0.5 " in text
+
+
+def test_a_loop_further_off_than_the_noise_fails():
+    passed, text = noise_verdict(noise_run(0.5))
+    assert not passed and "served against served-row twin 1.25" in text
+
+
+def test_noise_as_large_as_another_prefix_tells_nothing_and_fails():
+    passed, text = noise_verdict(noise_run(0.1, own_offset=3.0))
+    assert not passed and "own-row twin against served-row twin 7.5" in text
+
+
+def test_a_committed_row_without_a_served_row_fails_the_noise_check():
+    result = noise_run(0.1)
+    result["fresh_served"]["substituted"]["missing"] = 1
+    assert not noise_verdict(result)[0]

@@ -31,7 +31,7 @@ RESULTS = REPO / "vllm_v4_patches" / "gpu_results.json"
 RUNS = REPO / "docs" / "gpu-runs"
 sys.path.insert(0, str(HERE))
 
-from suite import CHECKS, UPSTREAM_FAULTS, Outcome, evaluate  # noqa: E402
+from suite import CHECKS, OMITTED, UPSTREAM_FAULTS, Outcome, evaluate  # noqa: E402
 
 
 def outcomes_of(run: dict, logs: Path) -> dict[str, Outcome]:
@@ -42,7 +42,7 @@ def outcomes_of(run: dict, logs: Path) -> dict[str, Outcome]:
     saved = run.get("statuses")
     return {
         name: Outcome(
-            run["results"].get(name),
+            result_from_log(run["results"].get(name), texts.get(name, "")),
             saved.get(name) if saved is not None else None,
             texts.get(name, ""),
             job["seconds"],
@@ -50,6 +50,15 @@ def outcomes_of(run: dict, logs: Path) -> dict[str, Outcome]:
         )
         for name, job in run["jobs"].items()
     }
+
+
+def result_from_log(result: dict | None, log: str) -> dict | None:
+    """A result left out of the results file (over its size limit) is read back from
+    the job's kept log, where the job printed it (``RESULT {json}``)."""
+    if result is None or OMITTED not in result:
+        return result
+    printed = [line for line in log.splitlines() if line.startswith("RESULT ")]
+    return json.loads(printed[-1].removeprefix("RESULT ")) if printed else result
 
 
 def throughput(run: dict) -> dict:

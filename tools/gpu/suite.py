@@ -888,6 +888,79 @@ def served_context_effect(result: dict) -> str:
     )
 
 
+def slot_differences(record: dict, twin: dict) -> list[float]:
+    """Each slot's largest logit difference between two blocks."""
+    differences = []
+    for slot, other in zip(record["base_logits"], twin["base_logits"], strict=True):
+        mine, theirs = slot_entries(slot), slot_entries(other)
+        keys = mine.keys() | theirs.keys()
+        differences.append(max(abs(mine.get(k, 0.0) - theirs.get(k, 0.0)) for k in keys))
+    return differences
+
+
+def first_blocks(records: list[dict]) -> dict[tuple, dict]:
+    """Each recompute prompt's first block (the one drafted right after its prefill)."""
+    first: dict[tuple, dict] = {}
+    for record in records:
+        first.setdefault(tuple(record["prompt"]), record)
+    return first
+
+
+def drafts_within_noise(job: str) -> Check:
+    """Exact drafting judged against the draft's own numeric noise
+    (``record_dspark_drafts.py --served-context``). Each served block has two
+    recomputes of its committed prefix in one batch: on the recompute's own target
+    rows, and on the served rows. The served block and its served-row twin read the
+    same context; the two twins differ only by the target's numerics in those rows.
+    A serving loop that reads a wrong row, slot or position puts its blocks further
+    from their served-row twins than the target's noise puts the twins apart, so the
+    median slot difference (served block, served-row twin) must not exceed the median
+    (own-row twin, served-row twin). The control, each block against another
+    prefix's served-row twin, must exceed that noise, or the measure tells nothing.
+    Medians, not maxima: a random-weight draft has heavy tails (with identical inputs
+    at another batch shape, a request's first block differed by up to 1.7)."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        result = result_of(outcomes, job)
+        if "fresh_served" not in result:
+            raise Missing(f"{job}: no 'fresh_served' recompute in the result")
+        own, served = (first_blocks(result[k]["records"]) for k in ("fresh", "fresh_served"))
+        triples = [
+            (record, own.get(tuple(prefix)), served.get(tuple(prefix)))
+            for record, prefix in zip(result["records"], result["prefixes"], strict=True)
+        ]
+        kept = [
+            (r, o, t)
+            for r, o, t in triples
+            if o is not None and t is not None and r["anchor"] == o["anchor"] == t["anchor"]
+        ]
+        if len(kept) < 2:
+            raise Missing(f"{job}: {len(kept)} blocks with both recomputes to compare")
+        loop = [d for r, _, t in kept for d in slot_differences(r, t)]
+        noise = [d for _, o, t in kept for d in slot_differences(o, t)]
+        shifted = [t for _, _, t in kept[1:]] + [kept[0][2]]
+        control = [
+            d for (r, _, _), t in zip(kept, shifted, strict=True) for d in slot_differences(r, t)
+        ]
+        medians = [statistics.median(v) for v in (loop, noise, control)]
+        counts = result["fresh_served"].get("substituted") or {"replaced": 0, "missing": 0}
+        ok = (
+            medians[0] <= medians[1] < medians[2]
+            and len(kept) * 5 >= 4 * len(triples)
+            and counts["replaced"] > 0
+            and counts["missing"] == 0
+        )
+        return ok, (
+            f"{len(kept)}/{len(triples)} served blocks with both recomputes; median slot "
+            f"difference served against served-row twin {medians[0]:.3g} (largest "
+            f"{max(loop):.3g}), own-row twin against served-row twin {medians[1]:.3g} "
+            f"(largest {max(noise):.3g}), control (another prefix) {medians[2]:.3g}; "
+            f"rows replaced {counts['replaced']}, without a served row {counts['missing']}"
+        )
+
+    return check
+
+
 def drafts_equal_recompute(jobs: tuple[str, ...], twins: str = "fresh") -> Check:
     """Exact drafting (``record_dspark_drafts.py --recompute``): every block the
     serving loop drafted, against the first block the same engine drafts for its
@@ -1474,6 +1547,8 @@ CHECKS: dict[str, Check] = {
     ),
     "v4: every served draft block equals its recompute from the served context rows (V1, "
     "eager)": drafts_equal_recompute(EXACT_JOBS[:1], "fresh_served"),
+    "v4: served draft blocks no further from their served-context recompute than the "
+    "target's noise moves it (V1, eager)": drafts_within_noise(EXACT_JOBS[0]),
     "v4 (diagnostic): host syncs per step of the overlay's V4 drafter": sync_figures(
         "v4-dspark-overlay-v1"
     ),
