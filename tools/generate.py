@@ -159,6 +159,7 @@ def generate(
     alone: int | None = None,
     score: bool = False,
     accept_drafts: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> dict:
     from vllm import SamplingParams
     from vllm.platforms import current_platform
@@ -191,6 +192,7 @@ def generate(
         **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}),
         **({"num_gpu_blocks_override": num_blocks} if num_blocks else {}),
         **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
+        **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}),
         max_model_len=max_model_len,
         disable_log_stats=False,
     )
@@ -235,7 +237,9 @@ def generate(
             {"error": counter_error} if counter_error else llm.collective_rpc(read_sync_counts)[0]
         )
     engine_config = getattr(llm.llm_engine, "vllm_config", None)
-    drafter = llm.collective_rpc(dspark_drafter_stats)[0] if dspark else None
+    # every rank drafts its own copy of the step (tensor parallel: each its shard)
+    drafter_ranks = llm.collective_rpc(dspark_drafter_stats) if dspark else None
+    drafter = drafter_ranks[0] if drafter_ranks else None
     cudagraphs = llm.collective_rpc(cudagraph_facts)[0]
     staging = llm.collective_rpc(staging_probe_counts)[0] if speculative else None
     counters = spec_decode_counters(llm)
@@ -249,6 +253,7 @@ def generate(
         "generate_s": done - checked,
         "spec_decode": counters,
         "dspark_drafter": drafter,
+        "dspark_drafter_ranks": drafter_ranks,
         "cudagraphs": cudagraphs,
         "staging_probe": staging,
         "tokens_per_s": bench,
@@ -310,7 +315,14 @@ def dspark_drafter_stats(worker) -> dict:  # noqa: ANN001
     replayed; None for what the drafter lacks."""
     drafter = getattr(worker.model_runner, "drafter", None)
     names = ("verify_counts", "draft_steps", "fused_draft_steps", "graph_draft_steps")
-    return {name: getattr(drafter, name, None) for name in names}
+    stats = {name: getattr(drafter, name, None) for name in names}
+    # the Markov bias weight's rows on this rank: the vocabulary shard it scores
+    head = getattr(getattr(getattr(drafter, "model", None), "model", None), "markov_head", None)
+    bias = getattr(head, "markov_w2", None)
+    stats["markov_bias_rows"] = int(bias.weight.shape[0]) if bias is not None else None
+    stats["markov_bias_tp_size"] = getattr(bias, "tp_size", None)
+    stats["draft_class"] = type(getattr(drafter, "model", None)).__name__
+    return stats
 
 
 def cudagraph_facts(worker) -> dict:  # noqa: ANN001
@@ -828,6 +840,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, help="small: chunked prefill")
     parser.add_argument("--num-blocks", type=int, help="KV blocks (few: the scheduler preempts)")
     parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--max-num-seqs", type=int, help="at most --max-num-batched-tokens")
     parser.add_argument(
         "--prefix-tokens",
@@ -884,6 +897,7 @@ def main() -> None:
         alone=args.alone,
         score=args.teacher_forced,
         accept_drafts=args.accept_drafts,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     print("RESULT " + json.dumps(result))
 
