@@ -36,7 +36,6 @@ def sparse(logits) -> dict:  # noqa: ANN001
 
 def install_recorder(worker, sparse_logits: bool = False) -> None:  # noqa: ANN001
     """Runs in the worker: wrap this drafter instance's sampling stage."""
-    worker.sparse_logits = sparse_logits
     runner = worker.model_runner
     drafter = runner.drafter
     sample = drafter._sample_draft_tokens
@@ -45,7 +44,7 @@ def install_recorder(worker, sparse_logits: bool = False) -> None:  # noqa: ANN0
     def recording(hidden_states, sampling_metadata):  # noqa: ANN001, ANN202
         slots = drafter.num_speculative_tokens
         base = drafter.model.compute_draft_logits(hidden_states).float().cpu()
-        rows = [sparse(slot) for slot in base] if worker.sparse_logits else base.tolist()
+        rows = [sparse(slot) for slot in base] if sparse_logits else base.tolist()
         drafts, probs = sample(hidden_states, sampling_metadata)
         batch = runner.input_batch
         for row in range(base.shape[0] // slots):
@@ -112,11 +111,15 @@ class ServedContext:
         rows = token_rows(self.common.query_start_loc, self.common.num_reqs, count).tolist()
         positions = drafter._context_positions_buffer[:count].tolist()
         slots = drafter._context_slot_mapping_buffer[:count].tolist()
+        prompts: dict[int, tuple[int, ...]] = {}  # a batch row's prompt, read once a step
         for index, (row, position, slot) in enumerate(zip(rows, positions, slots, strict=True)):
             if slot < 0:
                 continue
             request = batch.req_ids[row]
-            prompt = tuple(batch.token_ids_cpu[row, : int(batch.num_prompt_tokens[row])].tolist())
+            if row not in prompts:
+                length = int(batch.num_prompt_tokens[row])
+                prompts[row] = tuple(batch.token_ids_cpu[row, :length].tolist())
+            prompt = prompts[row]
             if self.mode == "record":
                 self.prompts[request] = prompt
                 self.rows.setdefault(request, {})[position] = hidden[index].clone()

@@ -848,14 +848,27 @@ def slot_entries(slot: list[float] | dict) -> dict[int, float]:
     return dict(enumerate(slot))
 
 
-def block_differences(record: dict, twin: dict) -> float:
-    """The largest difference between two blocks' draft logits."""
-    largest = 0.0
+def slot_differences(record: dict, twin: dict) -> list[float]:
+    """Each slot's largest logit difference between two blocks."""
+    differences = []
     for slot, other in zip(record["base_logits"], twin["base_logits"], strict=True):
         mine, theirs = slot_entries(slot), slot_entries(other)
-        for token in mine.keys() | theirs.keys():
-            largest = max(largest, abs(mine.get(token, 0.0) - theirs.get(token, 0.0)))
-    return largest
+        keys = mine.keys() | theirs.keys()
+        differences.append(max(abs(mine.get(k, 0.0) - theirs.get(k, 0.0)) for k in keys))
+    return differences
+
+
+def block_differences(record: dict, twin: dict) -> float:
+    """The largest difference between two blocks' draft logits."""
+    return max(slot_differences(record, twin))
+
+
+def first_blocks(records: list[dict]) -> dict[tuple, dict]:
+    """Each recompute prompt's first block (the one drafted right after its prefill)."""
+    first: dict[tuple, dict] = {}
+    for record in records:
+        first.setdefault(tuple(record["prompt"]), record)
+    return first
 
 
 def is_first(record: dict) -> bool:
@@ -873,8 +886,7 @@ def served_context_effect(result: dict) -> str:
     """How far the served context rows moved the recompute's first blocks from the
     ones drafted on the recompute's own target rows (the same prompts, the same
     batch): zero would mean the substitution changed nothing the draft reads."""
-    own = {tuple(r["prompt"]): r for r in reversed(result["fresh"]["records"])}
-    served = {tuple(r["prompt"]): r for r in reversed(result["fresh_served"]["records"])}
+    own, served = (first_blocks(result[k]["records"]) for k in ("fresh", "fresh_served"))
     differences = [
         block_differences(own[prompt], record)
         for prompt, record in served.items()
@@ -886,24 +898,6 @@ def served_context_effect(result: dict) -> str:
         f"served rows against the recompute's own ({len(differences)} first blocks): "
         f"largest {max(differences):.4g}, median {statistics.median(differences):.4g}"
     )
-
-
-def slot_differences(record: dict, twin: dict) -> list[float]:
-    """Each slot's largest logit difference between two blocks."""
-    differences = []
-    for slot, other in zip(record["base_logits"], twin["base_logits"], strict=True):
-        mine, theirs = slot_entries(slot), slot_entries(other)
-        keys = mine.keys() | theirs.keys()
-        differences.append(max(abs(mine.get(k, 0.0) - theirs.get(k, 0.0)) for k in keys))
-    return differences
-
-
-def first_blocks(records: list[dict]) -> dict[tuple, dict]:
-    """Each recompute prompt's first block (the one drafted right after its prefill)."""
-    first: dict[tuple, dict] = {}
-    for record in records:
-        first.setdefault(tuple(record["prompt"]), record)
-    return first
 
 
 def drafts_within_noise(job: str) -> Check:
@@ -981,9 +975,7 @@ def drafts_equal_recompute(jobs: tuple[str, ...], twins: str = "fresh") -> Check
         result = result_of(outcomes, job)
         if twins not in result:
             raise Missing(f"{job}: no {twins!r} recompute in the result")
-        fresh: dict[tuple, dict] = {}
-        for record in result[twins]["records"]:
-            fresh.setdefault(tuple(record["prompt"]), record)
+        fresh = first_blocks(result[twins]["records"])
         pairs = [
             (record, fresh.get(tuple(prefix)))
             for record, prefix in zip(result["records"], result["prefixes"], strict=True)
