@@ -382,6 +382,20 @@ def torch_call(stack: list) -> str:
     return called or "a C-level op"  # e.g. Tensor.item(): no Python frame in torch
 
 
+# the counter's own switching of the debug mode synced once at its first use (H200,
+# 0.26.0): a sync of the counter, not of the call it wraps
+COUNTER_OWN_CALLS = frozenset({"set_sync_debug_mode", "get_sync_debug_mode"})
+
+
+def counted_sync(stack: list, fallback: tuple[str, int]) -> tuple[str, int, str] | None:
+    """A sync warning's (file, line, torch function), or None where the counter's
+    own switching of the debug mode raised it."""
+    called = torch_call(stack)
+    if called in COUNTER_OWN_CALLS:
+        return None
+    return (*sync_caller(stack, fallback), called)
+
+
 def install_sync_counter(worker) -> list[str]:  # noqa: ANN001
     """Runs in the worker: count the host synchronisations (CUDA sync debug mode's
     warnings: .item(), .cpu(), .tolist(), blocking copies to the host...) each call
@@ -414,9 +428,9 @@ def install_sync_counter(worker) -> list[str]:  # noqa: ANN001
                 message, category, filename, lineno, file=None, line=None
             ):  # noqa: ANN001, ANN202, ARG001
                 if "synchronizing" in str(message):
-                    stack = traceback.extract_stack()
-                    caller = sync_caller(stack, (filename, lineno))
-                    syncs.append((*caller, torch_call(stack)))
+                    sync = counted_sync(traceback.extract_stack(), (filename, lineno))
+                    if sync:
+                        syncs.append(sync)
 
             with warnings.catch_warnings():
                 warnings.simplefilter("always")

@@ -679,3 +679,39 @@ def test_the_v1_route_takes_a_v4_draft_at_its_block_size_only() -> None:
             assert "\n" not in line and f"num_speculative_tokens={n}" in line
             assert f"num_speculative_tokens={block} only" in line and "/ckpt/v4" in line
     refuse_other_v4_block_on_v1(checkpoint.FORMAT_DEEPSPEC_QWEN3, block + 2, block, "/q")
+
+
+def test_before_025_v4_stages_are_refused_before_vllms_dflash_config_sees_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On vLLM 0.24.0 (H200, 2026-12-04) the stand-in route handed a DeepSeek-V4
+    checkpoint to vLLM's DFlash config, which failed naming an architecture no
+    registry holds. The installed source here is a tree without V4's draft class,
+    as 0.24.0's (the probe reads that tree); vLLM's config call is recorded, not run."""
+    from vllm_v4_patches import sources
+    from vllm_v4_patches.dspark.config_hooks import V4_ON_V1_SETTING, accept_dspark_as_dflash
+
+    registry = tmp_path / "src" / "vllm" / "model_executor" / "models" / "registry.py"
+    registry.parent.mkdir(parents=True)
+    registry.write_text('_MODELS = {"DeepseekV4ForCausalLM": ("vllm.models.deepseek_v4", "X")}\n')
+    monkeypatch.setattr(
+        sources, "InstalledSource", lambda: sources.TreeSource(str(tmp_path / "src"))
+    )
+    monkeypatch.setenv(V4_ON_V1_SETTING, "on")
+    checkpoint_dir = tmp_path / "v4"
+    checkpoint_dir.mkdir()
+    (checkpoint_dir / "config.json").write_text(json.dumps(V4_CONFIG))
+    called: list[dict] = []
+
+    def vllm_init(*args: Any, **kwargs: Any) -> None:
+        called.append(kwargs)
+
+    class Target:
+        model = str(checkpoint_dir)
+
+    request = {"method": "dspark", "model": str(checkpoint_dir), "target_model_config": Target()}
+    with pytest.raises(ValueError) as refused:
+        accept_dspark_as_dflash(vllm_init, None, (), request)
+    line = str(refused.value)
+    assert "\n" not in line and "speculative_config.model" in line and "vLLM >= 0.25" in line
+    assert called == []

@@ -57,3 +57,22 @@ def test_the_torch_function_called_is_named_beside_the_caller():
     ]
     assert generate.torch_call(stack) == "tolist"
     assert generate.torch_call([named(BUILDER, 321, "build")]) == "a C-level op"
+
+
+def test_the_counters_own_switch_of_the_debug_mode_is_not_counted():
+    """The H200 run of 2026-12-04 (third hold) named the one sync of 37 target
+    builds: the counter's own ``set_sync_debug_mode`` at its first use."""
+    runner = "/tmp/gpu-site/0.26.0-v4/vllm/v1/worker/gpu_model_runner.py"
+    own = [
+        named(runner, 4323, "execute_model"),
+        named("/work/x/tools/generate.py", 430, "counted"),
+        named(TORCH, 1100, "set_sync_debug_mode"),
+        named("/work/x/tools/generate.py", 412, "keep"),
+    ]
+    assert generate.counted_sync(own, (TORCH, 1100)) is None
+    builders = [
+        named(BUILDER, 321, "build"),
+        named(TORCH, 50, "tolist"),
+        named("/work/x/tools/generate.py", 412, "keep"),
+    ]
+    assert generate.counted_sync(builders, (TORCH, 50)) == (BUILDER, 321, "tolist")

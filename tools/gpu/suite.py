@@ -46,6 +46,8 @@ TINY_V4 = MODELS / "tiny-v4"
 # V4 engines starting at once: each builds its kernels on the machine's CPUs at
 # start, and more at once start none in a call's time (docs/testing.md, GPU harness)
 V4_AT_ONCE = 3
+# the staged environment's fixes for DeepSeek-V4 jobs (its sitecustomize says which)
+SITE_FIXES = REPO / "tools" / "gpu" / "site_fixes"
 V4_LAYERS, V4_DRAFT_STAGES = 3, 3  # tools/build_tiny_v4.py's default depth, its stages
 STEP_BATCHES = ("1", "64")  # the batch sizes of the V4 step-time figures
 PLAIN_PLUGIN = REPO / "tools" / "plain_model_plugin"
@@ -600,7 +602,8 @@ def run_job(job: Job, scratch: Path, deadline: float) -> Outcome:
     env.update(job.env, VLLM_ENABLE_V1_MULTIPROCESSING="1", HF_HUB_OFFLINE="1")
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with local functions
     site = env.get("VLLM_GPU_SITE", "")
-    paths = (str(REPO) if job.overlay else "", *job.plugins, site)
+    fixes = str(SITE_FIXES) if job.part.startswith("v4") else ""
+    paths = (str(REPO) if job.overlay else "", *job.plugins, fixes, site)
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     if job.overlay:
         env["VLLM_V4_PATCHES_STATUS_DIR"] = str(status_dir)
@@ -1534,11 +1537,12 @@ CHECKS: dict[str, Check] = {
     "v4: no host sync in the target's attention metadata (stock, V1)": no_metadata_syncs(
         "v4-nospec-eager-again"
     ),
-    "v4: every served draft block equals its recompute on the committed prefix (V1, eager)": (
-        drafts_equal_recompute(EXACT_JOBS)
-    ),
-    "v4: every served draft block equals its recompute from the served context rows (V1, "
-    "eager)": drafts_equal_recompute(EXACT_JOBS[:1], "fresh_served"),
+    # the largest difference within a tenth of the control's: identical inputs at
+    # another batch shape already differ more on this model (docs/dspark.md 13)
+    "v4 (diagnostic): every served draft block equals its recompute on the committed "
+    "prefix (V1, eager)": drafts_equal_recompute(EXACT_JOBS),
+    "v4 (diagnostic): every served draft block equals its recompute from the served "
+    "context rows (V1, eager)": drafts_equal_recompute(EXACT_JOBS[:1], "fresh_served"),
     "v4: served draft blocks no further from their served-context recompute than the "
     "target's noise moves it (V1, eager)": drafts_within_noise(EXACT_JOBS[0]),
     "v4 (diagnostic): host syncs per step of the overlay's V4 drafter": sync_figures(
@@ -1715,7 +1719,13 @@ def main() -> None:
         choices=["core", "extra", "perf", "v4", "v4-compiled", "v4-matrix", "all"],
         default="all",
     )
-    parser.add_argument("--deadline", type=float, default=540, help="seconds for all jobs")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=540,
+        help="seconds for the suite, model builds included (the call's limit also "
+        "covers the install before it: leave it about 60 s)",
+    )
     parser.add_argument(
         "--job-timeout",
         type=float,
@@ -1723,6 +1733,7 @@ def main() -> None:
         "compiles its kernels: over 480 s for three engines at once)",
     )
     args = parser.parse_args()
+    started = time.perf_counter()  # the deadline counts the model build too
     facts = environment()
     version = facts["vllm"]
     chosen = [
@@ -1745,7 +1756,6 @@ def main() -> None:
 
         write_dflash_variant(DRAFT, DFLASH_DRAFT)
     scratch = Path(tempfile.mkdtemp(prefix="gpu-suite-"))
-    started = time.perf_counter()
     at_once = min(args.jobs, V4_AT_ONCE) if args.part.startswith("v4") else args.jobs
     outcomes = run_jobs(chosen, at_once, started + args.deadline, scratch)
     rows = evaluate(outcomes)

@@ -59,6 +59,9 @@ def _check_stand_in_request(kwargs: dict) -> None:
     spec = validate_draft_paths(kwargs["model"], getattr(target, "model", None))
     if spec is not None:
         refuse_fill_in_layout_on_v1(spec.anchor_first, kwargs["model"])
+        # before vLLM's DFlash config sees it: it would name a DFlash architecture
+        # for the V4 checkpoint that no registry holds (H200, 0.24.0)
+        refuse_in_checkpoint_draft_on_v1(spec.format, kwargs["model"])
 
 
 def _mark_dspark_draft(hf_config: Any) -> None:
