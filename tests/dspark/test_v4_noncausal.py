@@ -1,0 +1,154 @@
+"""The DeepSeek-V4 draft block's non-causal sliding-window indices for releases
+before 0.25 (``dspark.v4_noncausal``), against a loop written from the definition:
+each token of a request's block sees the window before the block and the whole
+block. The builder's metadata is a stand-in dataclass with the fields the sparse
+sliding-window metadata has (the real builder needs CUDA and V4's kernels)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from vllm_v4_patches.dspark.v4_noncausal import (
+    block_swa_indices,
+    index_width,
+    noncausal_block_metadata,
+)
+
+BLOCK_SIZE = 4
+
+
+def batch() -> dict:
+    """Three requests of 5-token blocks: a short context, one past the window, and
+    one whose block crosses a cache block; token 12 is padding."""
+    context = [3, 40, 9]
+    block = 5
+    seq_lens = torch.tensor([c + block for c in context], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 5, 10, 15], dtype=torch.int32)
+    generator = torch.Generator().manual_seed(0)
+    block_table = torch.randperm(64, generator=generator)[:36].view(3, 12).to(torch.int32)
+    rows = torch.repeat_interleave(torch.arange(3), block).to(torch.int32)
+    valid = torch.ones(15, dtype=torch.bool)
+    valid[12] = False
+    return dict(
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        token_rows=rows,
+        valid_tokens=valid,
+        block_table=block_table,
+    )
+
+
+def expected(inputs: dict, window: int) -> list[list[int]]:
+    out = []
+    for token, row in enumerate(inputs["token_rows"].tolist()):
+        if not inputs["valid_tokens"][token]:
+            out.append([])
+            continue
+        end = int(inputs["seq_lens"][row])
+        query = int(inputs["query_start_loc"][row + 1] - inputs["query_start_loc"][row])
+        first = max(end - query - window, 0)
+        table = inputs["block_table"][row].tolist()
+        out.append(
+            [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(first, end)]
+        )
+    return out
+
+
+def test_each_token_sees_the_window_before_its_block_and_the_whole_block():
+    inputs = batch()
+    window = 16
+    width = index_width(window, 5)
+    indices, counts = block_swa_indices(
+        **inputs, block_size=BLOCK_SIZE, window_size=window, width=width
+    )
+    assert indices.shape == (15, 1, width) and width == 128
+    want = expected(inputs, window)
+    for token, slots in enumerate(want):
+        assert counts[token] == len(slots)
+        assert indices[token, 0, : len(slots)].tolist() == slots
+        assert (indices[token, 0, len(slots) :] == -1).all()
+    # every token of a block sees the same slots, the block's last included
+    assert indices[0, 0].tolist() == indices[4, 0].tolist()
+    assert counts.tolist()[5:10] == [16 + 5] * 5  # past the window: cut to it
+
+
+def test_causal_indices_are_not_what_the_block_gets():
+    """Control: a causal window (each token sees the positions up to its own) is what
+    a builder left causal gives; it differs for every valid token but each block's
+    last within the window, so this comparison can tell the two apart."""
+    inputs = batch()
+    window = 16
+    indices, counts = block_swa_indices(
+        **inputs, block_size=BLOCK_SIZE, window_size=window, width=128
+    )
+    differs = []
+    for token, row in enumerate(inputs["token_rows"].tolist()):
+        if not inputs["valid_tokens"][token]:
+            continue
+        start = int(inputs["query_start_loc"][row])
+        end = int(inputs["seq_lens"][row])
+        position = end - 5 + token - start
+        table = inputs["block_table"][row].tolist()
+        causal = [
+            table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+            for p in range(max(position - window + 1, 0), position + 1)
+        ]
+        ours = indices[token, 0, : counts[token]].tolist()
+        differs.append(ours != causal)
+    # past the window (the second request) even the last token sees more: the window
+    # is anchored at the block's start
+    assert differs == [True, True, True, True, False] + [True] * 5 + [True, True, True, False]
+
+
+def test_the_width_is_the_window_and_block_rounded_up_for_the_kernel():
+    assert index_width(128, 5) == 256
+    assert index_width(123, 5) == 128
+    assert index_width(0, 1) == 128
+
+
+@dataclasses.dataclass
+class Metadata:
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    token_to_req_indices: torch.Tensor
+    is_valid_token: torch.Tensor
+    decode_swa_indices: torch.Tensor
+    decode_swa_lens: torch.Tensor
+    num_decode_tokens: int
+
+
+class Builder:
+    window_size = 16
+    num_speculative_tokens = 5
+    block_size = BLOCK_SIZE
+
+    def __init__(self) -> None:
+        self.decode_swa_indices = torch.zeros(64, 1, self.window_size, dtype=torch.int32)
+
+
+class Common:
+    def __init__(self, block_table: torch.Tensor) -> None:
+        self.block_table_tensor = block_table
+
+
+def test_the_builders_causal_answer_is_replaced_in_buffers_it_keeps():
+    inputs = batch()
+    metadata = Metadata(
+        query_start_loc=inputs["query_start_loc"],
+        seq_lens=inputs["seq_lens"],
+        token_to_req_indices=inputs["token_rows"],
+        is_valid_token=inputs["valid_tokens"],
+        decode_swa_indices=torch.zeros(15, 1, 16, dtype=torch.int32),
+        decode_swa_lens=torch.zeros(15, dtype=torch.int32),
+        num_decode_tokens=15,
+    )
+    builder = Builder()
+    common = Common(inputs["block_table"])
+    first = noncausal_block_metadata(builder, metadata, common)
+    want, _ = block_swa_indices(**inputs, block_size=BLOCK_SIZE, window_size=16, width=128)
+    assert torch.equal(first.decode_swa_indices, want)
+    second = noncausal_block_metadata(builder, metadata, common)
+    assert second.decode_swa_indices.data_ptr() == first.decode_swa_indices.data_ptr()
+    assert metadata.decode_swa_indices.shape[-1] == 16  # the builder's own left as it was

@@ -1,0 +1,92 @@
+"""The DeepSeek-V4 draft block's non-causal sliding-window indices, for releases
+whose sparse sliding-window builder builds causal ones only (before 0.25).
+
+A V4 draft stage attends with the sparse MLA kernels, which read, per query token,
+the cache slots it may see. A DSpark block is non-causal: every token of a request's
+block sees the window of context before the block and the whole block, its later
+tokens included. vLLM 0.25+ builds these indices itself when the drafter's common
+metadata says ``causal=False``; before 0.25 the builder ignores the flag, so the
+block would attend causally without a word. The builder's output is corrected here
+instead, for the overlay's V4 drafter only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# the sparse MLA decode kernel pads its query heads to a tile that needs the index
+# width to be a multiple of this
+INDEX_WIDTH_MULTIPLE = 128
+
+
+def index_width(window_size: int, block_tokens: int) -> int:
+    """Columns per token: the window plus the block, rounded up for the kernel."""
+    columns = window_size + block_tokens
+    return -(-columns // INDEX_WIDTH_MULTIPLE) * INDEX_WIDTH_MULTIPLE
+
+
+def block_swa_indices(
+    query_start_loc: Any,
+    seq_lens: Any,
+    token_rows: Any,
+    valid_tokens: Any,
+    block_table: Any,
+    block_size: int,
+    window_size: int,
+    width: int,
+) -> tuple[Any, Any]:
+    """Each token's cache slots ``[T, 1, width]`` (-1 past its count) and count ``[T]``:
+    the ``window_size`` positions before its request's block, then the whole block.
+    A token whose slot is padding (``valid_tokens`` false) sees nothing. All on the
+    device, no host sync."""
+    import torch
+
+    rows = token_rows.to(torch.int64)
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)[rows]
+    ends = seq_lens.to(torch.int64)[rows]
+    starts = (ends - query_lens - window_size).clamp(min=0)
+    counts = torch.where(valid_tokens, ends - starts, torch.zeros_like(ends))
+    columns = torch.arange(width, device=rows.device)
+    positions = starts[:, None] + columns[None, :]
+    seen = columns[None, :] < counts[:, None]
+    table_columns = (positions // block_size).clamp(max=block_table.shape[1] - 1)
+    blocks = block_table.to(torch.int64)[rows[:, None], table_columns]
+    slots = torch.where(seen, blocks * block_size + positions % block_size, -1)
+    return slots.to(torch.int32).unsqueeze(1), counts.to(torch.int32)
+
+
+def noncausal_block_metadata(builder: Any, metadata: Any, common: Any) -> Any:
+    """``metadata`` (the builder's causal answer) with the decode tokens' indices and
+    counts replaced by the block's non-causal ones, in buffers the builder keeps so
+    their addresses stay fixed between steps."""
+    import torch
+
+    tokens = metadata.num_decode_tokens
+    if tokens == 0:
+        return metadata
+    width = index_width(builder.window_size, builder.num_speculative_tokens)
+    buffers = getattr(builder, "vllm_v4_block_indices", None)
+    if buffers is None or buffers[0].shape[-1] != width:
+        rows = builder.decode_swa_indices.shape[0]
+        device = builder.decode_swa_indices.device
+        buffers = (
+            torch.full((rows, 1, width), -1, dtype=torch.int32, device=device),
+            torch.zeros(rows, dtype=torch.int32, device=device),
+        )
+        builder.vllm_v4_block_indices = buffers
+    indices, counts = block_swa_indices(
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        metadata.token_to_req_indices[:tokens],
+        metadata.is_valid_token[:tokens],
+        common.block_table_tensor,
+        builder.block_size,
+        builder.window_size,
+        width,
+    )
+    buffers[0][:tokens].copy_(indices)
+    buffers[1][:tokens].copy_(counts)
+    return dataclasses.replace(
+        metadata, decode_swa_indices=buffers[0][:tokens], decode_swa_lens=buffers[1][:tokens]
+    )
