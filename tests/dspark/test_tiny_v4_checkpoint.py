@@ -743,9 +743,10 @@ def test_v1_route_takes_the_in_checkpoint_draft_only_when_asked(
     built on the CPU backend."""
     from types import SimpleNamespace
 
+    from vllm_v4_patches.dspark import V4_ROUTE_CLASS
     from vllm_v4_patches.dspark.config_hooks import (
         V4_ON_V1_SETTING,
-        has_v4_draft_class,
+        v4_route,
         validate_draft_checkpoint,
     )
 
@@ -757,7 +758,7 @@ def test_v1_route_takes_the_in_checkpoint_draft_only_when_asked(
             speculative_config=speculative, model_config=SimpleNamespace(model=str(built))
         )
 
-    assert has_v4_draft_class()  # the installed vLLM ships vLLM's V4 draft class
+    assert v4_route() == V4_ROUTE_CLASS  # the installed vLLM ships vLLM's V4 draft class
     for value in (None, "maybe"):
         if value is None:
             monkeypatch.delenv(V4_ON_V1_SETTING, raising=False)
@@ -1003,3 +1004,84 @@ def test_the_step_timer_divides_by_the_checkpoints_stages(built: Path) -> None:
     runner = SimpleNamespace(model_config=SimpleNamespace(hf_config=loaded), drafter=drafter)
     depths = generate.model_depths(SimpleNamespace(model_runner=runner))
     assert depths == {"target_layers": config["num_hidden_layers"], "draft_stages": 3}
+
+
+def test_every_stage_tensor_has_one_place_in_the_pre_025_draft(built: Path) -> None:
+    """``dspark.v4_stages.stage_tensor_place`` on the checkpoint's real names: each
+    stage's decoder-layer tensors carry a target layer's names (so the release's
+    target loader takes them), the combiner and head stack land once each, and the
+    target's own tensors and the confidence head are left to others."""
+    from vllm_v4_patches.dspark.v4_stages import stage_tensor_place
+
+    names = [
+        name
+        for shard in sorted(built.glob("*.safetensors"))
+        for name in read_header(shard)
+        if name != "__metadata__"
+    ]
+    placed = {name: stage_tensor_place(name) for name in names}
+    assert all(place is None for name, place in placed.items() if not name.startswith("mtp."))
+    confidence = [n for n in names if ".confidence_head." in n]
+    assert confidence and all(placed[n] is None for n in confidence)
+    target_layer = {n.removeprefix("layers.0.") for n in names if n.startswith("layers.0.")}
+    stages = {}
+    for place in placed.values():
+        if place and place[0] == "layer":
+            stage, rest = place[1].removeprefix("layers.").split(".", 1)
+            stages.setdefault(int(stage), set()).add(rest)
+    assert sorted(stages) == [0, 1, 2]
+    # the small plan's one target layer is hash-routed (tid2eid, no gate bias) with a
+    # compressor and indexer; a stage is a plain sliding-window layer
+    target_only = {n for n in target_layer if ".compressor." in n or ".indexer." in n}
+    target_only.add("ffn.gate.tid2eid")
+    for rest in stages.values():
+        assert rest - target_layer == {"ffn.gate.bias"}
+        assert target_layer - rest == target_only
+    draft = [place[1] for place in placed.values() if place and place[0] == "draft"]
+    assert len(draft) == len(set(draft))
+    assert {"main_proj.weight", "main_norm.weight", "norm.weight", "hc_head_fn"} <= set(draft)
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"} <= set(draft)
+
+
+def test_on_024_the_v4_stages_pass_to_vllm_only_when_asked_for(
+    built: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.24.0 has V4 without its draft class; the overlay brings one. The
+    installed source here is 0.24.0's real tree (the probe reads it), the checkpoint
+    the built tiny V4; vLLM's config call is recorded, not run (the CPU build of
+    0.24 has no V4), and its draft config is a stand-in with the checkpoint's keys
+    under the name vLLM's dflash config gives them."""
+    import vllm_builds
+
+    from vllm_v4_patches import sources
+    from vllm_v4_patches.dspark import DRAFT_METHOD_MARK, V4_STAND_IN_ARCHITECTURE
+    from vllm_v4_patches.dspark.config_hooks import V4_ON_V1_SETTING, accept_dspark_as_dflash
+
+    tree = sources.TreeSource(str(vllm_builds.fetch_source("0.24.0")))
+    monkeypatch.setattr(sources, "InstalledSource", lambda: tree)
+    keys = {**read_json(built / "config.json"), "architectures": [V4_STAND_IN_ARCHITECTURE]}
+    draft = SimpleNamespace(hf_config=SimpleNamespace(**keys))
+    config = SimpleNamespace(draft_model_config=draft)
+    calls: list[dict] = []
+
+    class Target:
+        model = str(built)
+
+    request = {
+        "method": "dspark",
+        "model": str(built),
+        "target_model_config": Target(),
+        "num_speculative_tokens": keys["dspark_block_size"],
+    }
+    monkeypatch.delenv(V4_ON_V1_SETTING, raising=False)
+    with pytest.raises(ValueError) as refused:
+        accept_dspark_as_dflash(lambda **kw: calls.append(kw), config, (), request)
+    line = str(refused.value)
+    assert "\n" not in line and f"{V4_ON_V1_SETTING}=on" in line and calls == []
+    monkeypatch.setenv(V4_ON_V1_SETTING, "on")
+    accept_dspark_as_dflash(lambda **kw: calls.append(kw), config, (), request)
+    assert [call["method"] for call in calls] == ["dflash"]
+    assert getattr(draft.hf_config, DRAFT_METHOD_MARK) == "dspark"
+    other = {**request, "num_speculative_tokens": keys["dspark_block_size"] + 2}
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        accept_dspark_as_dflash(lambda **kw: calls.append(kw), config, (), other)

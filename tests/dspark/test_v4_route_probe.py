@@ -14,6 +14,7 @@ from vllm_v4_patches.dspark import (
     V4_ROUTE_CLASS,
     V4_ROUTE_NO_CLASS,
     V4_ROUTE_NO_V4,
+    V4_ROUTE_OVERLAY,
     v4_draft_route,
 )
 from vllm_v4_patches.sources import TreeSource
@@ -57,10 +58,56 @@ def test_the_full_draft_class_is_the_route(tmp_path):
 
 
 def test_the_matrix_records_the_route_and_tells_releases_apart():
-    """Before 0.25 V4 has no draft class; from 0.25 the overlay's V1 route has one.
-    The aspect is part of the answer the sweep compares."""
+    """Before 0.25 V4 has no draft class: 0.24 has the blocks the overlay builds its
+    own from, 0.23 does not; from 0.25 the overlay's V1 route uses vLLM's. The
+    aspect is part of the answer the sweep compares."""
     rows = compat.load_matrix()["versions"]
-    assert rows["0.24.0"]["patches"]["dspark"]["aspects"] == {"v4": V4_ROUTE_NO_CLASS}
+    assert rows["0.23.0"]["patches"]["dspark"]["aspects"] == {"v4": V4_ROUTE_NO_CLASS}
+    assert rows["0.24.0"]["patches"]["dspark"]["aspects"] == {"v4": V4_ROUTE_OVERLAY}
     assert rows["0.26.0"]["patches"]["dspark"]["aspects"] == {"v4": V4_ROUTE_CLASS}
     changed = {**rows["0.26.0"]["patches"]["dspark"], "aspects": {"v4": V4_ROUTE_NO_CLASS}}
     assert compat._answer(changed) != compat._answer(rows["0.26.0"]["patches"]["dspark"])
+
+
+MODEL = "vllm/models/deepseek_v4/nvidia/model.py"
+HELPERS = "vllm/model_executor/kernels/mhc/tilelang.py"
+BUILDER = "vllm/v1/attention/backends/mla/sparse_swa.py"
+BLOCKS = {
+    MODEL: (
+        "class DeepseekV4DecoderLayer:\n"
+        "    def forward(self, x, positions, input_ids, post_mix, res_mix, residual):\n"
+        "        pass\n"
+        "class DeepseekV4Model:\n"
+        "    def load_weights(self, w):\n        pass\n"
+        "    def get_expert_mapping(self):\n        pass\n"
+        "    def _pad_shared_expert_weight(self, n, w):\n        pass\n"
+        "class DeepseekV4ForCausalLM:\n"
+        "    hf_to_vllm_mapper = None\n"
+    ),
+    HELPERS: (
+        "def mhc_post_tilelang(a):\n    pass\n" "def hc_head_fused_kernel_tilelang(a):\n    pass\n"
+    ),
+    BUILDER: (
+        "class DeepseekSparseSWAMetadataBuilder:\n"
+        "    def build(self, p, c):\n        return self.decode_swa_indices\n"
+    ),
+}
+
+
+def test_v4_blocks_without_the_class_are_the_overlays_route(tmp_path):
+    assert v4_draft_route(tree(tmp_path, {REGISTRY: WITH_V4, **BLOCKS})) == V4_ROUTE_OVERLAY
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        (MODEL, "post_mix, res_mix, residual", "residual"),  # 0.20's one-tensor layer
+        (MODEL, "_pad_shared_expert_weight", "_pad"),
+        (HELPERS, "def hc_head_fused_kernel_tilelang", "def hc_head"),
+        (BUILDER, "self.decode_swa_indices", "self.indices"),
+    ],
+)
+def test_a_missing_block_leaves_v4_refused(tmp_path, changed):
+    path, old, new = changed
+    files = {**BLOCKS, path: BLOCKS[path].replace(old, new)}
+    assert v4_draft_route(tree(tmp_path, {REGISTRY: WITH_V4, **files})) == V4_ROUTE_NO_CLASS

@@ -17,6 +17,8 @@ from vllm_v4_patches.dspark import (
     DSPARK_ARCHITECTURE,
     DSPARK_ARCHITECTURES,
     UNSUPPORTED_ENTRY,
+    V4_ROUTE_CLASS,
+    V4_ROUTE_OVERLAY,
 )
 from vllm_v4_patches.patcher import split_receiver
 
@@ -59,15 +61,22 @@ def _check_stand_in_request(kwargs: dict) -> None:
     spec = validate_draft_paths(kwargs["model"], getattr(target, "model", None))
     if spec is not None:
         refuse_fill_in_layout_on_v1(spec.anchor_first, kwargs["model"])
-        # before vLLM's DFlash config sees it: it would name a DFlash architecture
-        # for the V4 checkpoint that no registry holds (H200, 0.24.0)
+        # before vLLM's DFlash config sees it: without the overlay's V4 class it
+        # would name a DFlash architecture no registry holds (H200, 0.24.0)
         refuse_in_checkpoint_draft_on_v1(spec.format, kwargs["model"])
+        refuse_other_v4_block_on_v1(
+            spec.format, kwargs.get("num_speculative_tokens"), spec.block_size, kwargs["model"]
+        )
+        check_in_checkpoint_weights(spec, kwargs["model"])
 
 
 def _mark_dspark_draft(hf_config: Any) -> None:
     """Check the draft is one the overlay's class runs, and mark it as DSpark."""
+    from vllm_v4_patches.dspark import V4_STAND_IN_ARCHITECTURE
+
     architectures = list(getattr(hf_config, "architectures", None) or [])
-    if not set(architectures) & set(DSPARK_ARCHITECTURES):
+    accepted = set(DSPARK_ARCHITECTURES) | {V4_STAND_IN_ARCHITECTURE}
+    if not set(architectures) & accepted:
         raise ValueError(
             f"speculative_config.model: architectures={architectures} is not a DSpark draft "
             f"this vLLM can run; accepted: {DSPARK_ARCHITECTURE}"
@@ -108,16 +117,19 @@ def expose_keys_to_dflash(hf_config: Any) -> tuple[str, ...]:
     return tuple(added)
 
 
-def register_draft_class(registry_module: Any, architectures: tuple[str, ...]) -> Any:
+def register_draft_class(
+    registry_module: Any, architectures: tuple[str, ...], reference: str | None = None
+) -> Any:
     """Make vLLM's registry resolve these architectures (the overlay's own name; on
     0.20-0.24 also the DeepSpec one and the name vLLM's dflash EAGLE config gives it)
-    to the overlay's draft class; returns the undo."""
+    to the overlay's draft class (``reference``, ``module:Class``; the Qwen3 one by
+    default); returns the undo."""
     from vllm_v4_patches.dspark.draft_model import MODEL_REFERENCE
 
     registry = registry_module.ModelRegistry
     previous = {arch: registry.models.get(arch) for arch in architectures}
     for arch in architectures:
-        registry.register_model(arch, MODEL_REFERENCE)
+        registry.register_model(arch, reference or MODEL_REFERENCE)
 
     def undo() -> None:
         for arch, entry in previous.items():
@@ -192,10 +204,10 @@ V4_ON_V1_CHOICES = ("off", "on")
 
 def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
     """A DeepSeek-V4 target's own DSpark stages go to the overlay's V4 drafter
-    (``v4_proposer``, through vLLM's V4 draft class) only when asked for: on the
-    H200 it is lossless eager at N = 5, not yet with CUDA graphs (``docs/dspark.md``
-    section 13).
-    Otherwise, and on a release without the class (before 0.25), one line."""
+    (``v4_proposer``, through vLLM's V4 draft class, or on 0.24 the overlay's own,
+    ``v4_stages``) only when asked for: on the H200 it is lossless eager at N = 5 on
+    0.26, not yet with CUDA graphs, and unrun on 0.24 (``docs/dspark.md`` section
+    13). Otherwise, and on a release with neither class, one line."""
     from vllm_v4_patches.dspark import checkpoint
     from vllm_v4_patches.toggles import read_choice
 
@@ -208,7 +220,8 @@ def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
             "V1 route is built for DeepSeek-V4's stages only"
         )
 
-    if not has_v4_draft_class():
+    route = v4_route()
+    if route not in (V4_ROUTE_CLASS, V4_ROUTE_OVERLAY):
         from vllm import __version__
 
         from vllm_v4_patches.dspark import V4_DRAFT_MODULE
@@ -216,11 +229,20 @@ def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
         raise ValueError(
             f"speculative_config.model={draft}: the DSpark stages inside a DeepSeek-V4 "
             f"checkpoint need vLLM's DeepSeek-V4 draft class ({V4_DRAFT_MODULE}, vLLM "
-            f">= 0.25); vLLM {__version__} has none that the overlay's V4 drafter can "
-            "use, so vllm_v4_patches drafts only "
+            ">= 0.25) or the V4 blocks the overlay builds its own from (vLLM 0.24); "
+            f"vLLM {__version__} has neither, so vllm_v4_patches drafts only "
             "DeepSpec-format DSpark drafts here"
         )
     choice = read_choice(V4_ON_V1_SETTING, V4_ON_V1_CHOICES, "refusing the V1 route")
+    if choice != "on" and route == V4_ROUTE_OVERLAY:
+        from vllm import __version__
+
+        raise ValueError(
+            f"speculative_config.model={draft}: vLLM {__version__} has no DSpark of its "
+            "own; vllm_v4_patches' draft class for the DSpark stages inside a "
+            "DeepSeek-V4 checkpoint is unproven on this release and off "
+            f"({V4_ON_V1_SETTING}=on tries it)"
+        )
     if choice != "on":
         raise ValueError(
             f"speculative_config.model={draft}: the DSpark stages inside a DeepSeek-V4 "
@@ -249,12 +271,12 @@ def refuse_other_v4_block_on_v1(
     )
 
 
-def has_v4_draft_class() -> bool:
+def v4_route() -> str:
     """The probe's answer for the installed vLLM (``dspark.v4_draft_route``)."""
-    from vllm_v4_patches.dspark import V4_ROUTE_CLASS, v4_draft_route
+    from vllm_v4_patches.dspark import v4_draft_route
     from vllm_v4_patches.sources import InstalledSource
 
-    return v4_draft_route(InstalledSource()) == V4_ROUTE_CLASS
+    return v4_draft_route(InstalledSource())
 
 
 def warn_past_block(num_tokens: int | None, block_size: int, draft: str) -> bool:

@@ -67,17 +67,17 @@ def confidence_head_class() -> type:
 
 
 @functools.cache
-def draft_model_class() -> type:
+def markov_head_class() -> type:
+    """The Markov head's module (``markov_w1``, ``markov_w2`` and the gated or rnn
+    projection), shared by the overlay's Qwen3 and DeepSeek-V4 draft classes."""
     import torch
     from torch import nn
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
         VocabParallelEmbedding,
     )
-    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
     from vllm_v4_patches.dspark import draft_math
-    from vllm_v4_patches.dspark.checkpoint import draft_spec
 
     class MarkovHead(nn.Module):
         def __init__(self, config: Any, spec: Any, prefix: str) -> None:
@@ -109,6 +109,17 @@ def draft_model_class() -> type:
             joint = self.joint_proj
             return draft_math.rnn_features(code, hidden, state, joint.weight, joint.bias)
 
+    return MarkovHead
+
+
+@functools.cache
+def draft_model_class() -> type:
+    import torch
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+
+    from vllm_v4_patches.dspark.checkpoint import draft_spec
+
+    MarkovHead = markov_head_class()
     ConfidenceHead = confidence_head_class()
 
     class DSparkQwen3ForCausalLM(DFlashQwen3ForCausalLM):

@@ -90,3 +90,14 @@ def noncausal_block_metadata(builder: Any, metadata: Any, common: Any) -> Any:
     return dataclasses.replace(
         metadata, decode_swa_indices=buffers[0][:tokens], decode_swa_lens=buffers[1][:tokens]
     )
+
+
+def noncausal_for_draft_block(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """The sparse sliding-window builder's ``build``: metadata built for a draft
+    block (the drafter's common metadata says ``causal=False``) gets the block's
+    non-causal slots; the target's (causal) metadata is left as built."""
+    metadata = wrapped(*args, **kwargs)
+    common = kwargs.get("common_attn_metadata", args[1] if len(args) > 1 else None)
+    if common is None or common.causal is not False:
+        return metadata
+    return noncausal_block_metadata(instance, metadata, common)
