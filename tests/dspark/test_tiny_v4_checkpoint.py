@@ -1082,6 +1082,24 @@ def test_on_024_the_v4_stages_pass_to_vllm_only_when_asked_for(
     accept_dspark_as_dflash(lambda **kw: calls.append(kw), config, (), request)
     assert [call["method"] for call in calls] == ["dflash"]
     assert getattr(draft.hf_config, DRAFT_METHOD_MARK) == "dspark"
+    # config.json has no stage count; the checkpoint's (inference config, weights) is
+    # what the overlay's V4 class builds
+    assert "n_mtp_layers" not in keys and draft.hf_config.n_mtp_layers == 3
     other = {**request, "num_speculative_tokens": keys["dspark_block_size"] + 2}
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         accept_dspark_as_dflash(lambda **kw: calls.append(kw), config, (), other)
+
+
+def test_the_overlays_v4_class_takes_the_stage_count_from_the_checkpoint(built: Path) -> None:
+    """``config.json`` has no stage count: the draft config's ``n_mtp_layers`` (set
+    by the stand-in route), else the local spec's, else one line naming the key."""
+    from vllm_v4_patches.dspark.checkpoint import draft_spec, load_draft_spec
+    from vllm_v4_patches.dspark.v4_stages import stage_count
+
+    keys = read_json(built / "config.json")
+    loaded = SimpleNamespace(**keys)
+    assert stage_count(loaded, load_draft_spec(str(built))) == 3
+    assert stage_count(SimpleNamespace(**keys, n_mtp_layers=3), draft_spec(loaded)) == 3
+    with pytest.raises(ValueError, match="n_mtp_layers") as refused:
+        stage_count(loaded, draft_spec(loaded))
+    assert "\n" not in str(refused.value)

@@ -35,22 +35,24 @@ def is_dspark(speculative_config: Any) -> bool:
 def accept_dspark_as_dflash(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     if kwargs.get("method") != "dspark":
         return wrapped(*args, **kwargs)
-    _check_stand_in_request(kwargs)
+    spec = _check_stand_in_request(kwargs)
     result = wrapped(*args, **{**kwargs, "method": "dflash"})
     config, _, _ = split_receiver(instance, args)
-    _mark_dspark_draft(config.draft_model_config.hf_config)
+    _mark_dspark_draft(config.draft_model_config.hf_config, spec)
     return result
 
 
-def _check_stand_in_request(kwargs: dict) -> None:
+def _check_stand_in_request(kwargs: dict) -> Any:
+    """One line for a request the stand-in route cannot serve; returns the local
+    draft's spec (None for a draft that is not a local folder)."""
     import vllm.envs as envs
     from vllm import __version__
 
     if not kwargs.get("model"):
         raise ValueError(
             f"speculative_config.model: method 'dspark' on vLLM {__version__} needs a DSpark "
-            f"draft checkpoint ({DSPARK_ARCHITECTURE}); drafts inside a DeepSeek-V4 "
-            "checkpoint need vLLM >= 0.25"
+            f"draft checkpoint ({DSPARK_ARCHITECTURE}), or for the stages inside a "
+            "DeepSeek-V4 checkpoint, that checkpoint"
         )
     if envs.VLLM_USE_V2_MODEL_RUNNER:
         raise ValueError(
@@ -68,10 +70,14 @@ def _check_stand_in_request(kwargs: dict) -> None:
             spec.format, kwargs.get("num_speculative_tokens"), spec.block_size, kwargs["model"]
         )
         check_in_checkpoint_weights(spec, kwargs["model"])
+    return spec
 
 
-def _mark_dspark_draft(hf_config: Any) -> None:
-    """Check the draft is one the overlay's class runs, and mark it as DSpark."""
+def _mark_dspark_draft(hf_config: Any, spec: Any = None) -> None:
+    """Check the draft is one the overlay's class runs, and mark it as DSpark. A
+    DeepSeek-V4 checkpoint's stage count is in its weights and inference config, not
+    its ``config.json``: the local spec's count goes onto the draft config for the
+    overlay's V4 class."""
     from vllm_v4_patches.dspark import V4_STAND_IN_ARCHITECTURE
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
@@ -82,10 +88,13 @@ def _mark_dspark_draft(hf_config: Any) -> None:
             f"this vLLM can run; accepted: {DSPARK_ARCHITECTURE}"
         )
     expose_keys_to_dflash(hf_config)  # reads the spec: a malformed key fails in one line
+    if spec is not None and spec.num_draft_layers and not getattr(hf_config, STAGES_KEY, None):
+        setattr(hf_config, STAGES_KEY, spec.num_draft_layers)
     setattr(hf_config, DRAFT_METHOD_MARK, "dspark")
 
 
 EXPOSED_MARK = "vllm_v4_exposed_dflash_keys"
+STAGES_KEY = "n_mtp_layers"  # DeepSeek-V4's stage count (its inference config's key)
 
 
 def expose_keys_to_dflash(hf_config: Any) -> tuple[str, ...]:

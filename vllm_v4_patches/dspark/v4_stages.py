@@ -57,6 +57,19 @@ def stage_tensor_place(name: str) -> tuple[str, str] | None:
     return "layer", f"layers.{stage}.{rest}"
 
 
+def stage_count(config: Any, spec: Any) -> int:
+    """The checkpoint's stage count: the draft config's ``n_mtp_layers`` (the
+    stand-in route puts the local checkpoint's count there), else the spec's."""
+    count = getattr(config, "n_mtp_layers", None) or spec.num_draft_layers
+    if not count:
+        raise ValueError(
+            "dspark: n_mtp_layers: the DeepSeek-V4 checkpoint's DSpark stage count is "
+            "not in its draft config; serve it from a local folder (its inference "
+            "config and weights give the count)"
+        )
+    return int(count)
+
+
 def store_context_rows(attn: Any, kv: Any, positions: Any, slots: Any) -> None:
     """Rotate, quantise and write normalised context K/V rows at ``slots`` with the
     release's fused insert for the layer's cache dtype. The ops also process a
@@ -154,7 +167,7 @@ def stages_class() -> type:
             layer_config = get_current_vllm_config()
             self.layers = nn.ModuleList(
                 v4.DeepseekV4DecoderLayer(layer_config, prefix=f"{prefix}.layers.{first + i}")
-                for i in range(spec.num_draft_layers or 1)
+                for i in range(stage_count(config, spec))
             )
             self.start_layer, self.end_layer = 0, len(self.layers)
             self.norm = RMSNorm(hidden, eps=config.rms_norm_eps)
