@@ -62,14 +62,9 @@ def _check_stand_in_request(kwargs: dict) -> Any:
     target = kwargs.get("target_model_config")
     spec = validate_draft_paths(kwargs["model"], getattr(target, "model", None))
     if spec is not None:
-        refuse_fill_in_layout_on_v1(spec.anchor_first, kwargs["model"])
         # before vLLM's DFlash config sees it: without the overlay's V4 class it
         # would name a DFlash architecture no registry holds (H200, 0.24.0)
-        refuse_in_checkpoint_draft_on_v1(spec.format, kwargs["model"])
-        refuse_other_v4_block_on_v1(
-            spec.format, kwargs.get("num_speculative_tokens"), spec.block_size, kwargs["model"]
-        )
-        check_in_checkpoint_weights(spec, kwargs["model"])
+        check_for_v1(spec, kwargs["model"], kwargs.get("num_speculative_tokens"))
     return spec
 
 
@@ -181,14 +176,19 @@ def validate_draft_checkpoint(vllm_config: Any, runner: str = "V2") -> tuple[str
     spec = validate_draft_paths(speculative.model, vllm_config.model_config.model)
     if spec is not None:
         if runner == "V1":
-            refuse_fill_in_layout_on_v1(spec.anchor_first, speculative.model)
-            refuse_in_checkpoint_draft_on_v1(spec.format, speculative.model)
-            refuse_other_v4_block_on_v1(
-                spec.format, speculative.num_speculative_tokens, spec.block_size, speculative.model
-            )
-            check_in_checkpoint_weights(spec, speculative.model)
+            check_for_v1(spec, speculative.model, speculative.num_speculative_tokens)
         warn_past_block(speculative.num_speculative_tokens, spec.block_size, speculative.model)
     return expose_keys_to_dflash(draft.hf_config) if draft is not None else ()
+
+
+def check_for_v1(spec: Any, draft: str, num_tokens: int | None) -> None:
+    """Every refusal of a local draft the V1 drafter would serve, one line each:
+    the fill-in layout, V4 stages without their route, V4 at another N, and V4
+    weights that do not fit the config."""
+    refuse_fill_in_layout_on_v1(spec.anchor_first, draft)
+    refuse_in_checkpoint_draft_on_v1(spec.format, draft)
+    refuse_other_v4_block_on_v1(spec.format, num_tokens, spec.block_size, draft)
+    check_in_checkpoint_weights(spec, draft)
 
 
 def refuse_fill_in_layout_on_v1(anchor_first: bool, draft: str) -> None:
