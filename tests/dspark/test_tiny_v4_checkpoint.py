@@ -1043,21 +1043,23 @@ def test_every_stage_tensor_has_one_place_in_the_pre_025_draft(built: Path) -> N
     assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"} <= set(draft)
 
 
-def test_on_024_the_v4_stages_pass_to_vllm_only_when_asked_for(
-    built: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("version", ["0.20.2", "0.24.0"])
+def test_before_025_the_v4_stages_pass_to_vllm_only_when_asked_for(
+    built: Path, monkeypatch: pytest.MonkeyPatch, version: str
 ) -> None:
-    """vLLM 0.24.0 has V4 without its draft class; the overlay brings one. The
-    installed source here is 0.24.0's real tree (the probe reads it), the checkpoint
-    the built tiny V4; vLLM's config call is recorded, not run (the CPU build of
-    0.24 has no V4), and its draft config is a stand-in with the checkpoint's keys
-    under the name vLLM's dflash config gives them."""
+    """vLLM 0.20-0.24 have V4 without its draft class; the overlay brings one (the
+    first and last of them, whose V4 blocks differ most). The installed source here
+    is the release's real tree (the probe reads it), the checkpoint the built tiny
+    V4; vLLM's config call is recorded, not run (the CPU builds have no V4), and its
+    draft config is a stand-in with the checkpoint's keys under the name vLLM's
+    dflash config gives them."""
     import vllm_builds
 
     from vllm_v4_patches import sources
     from vllm_v4_patches.dspark import DRAFT_METHOD_MARK, V4_STAND_IN_ARCHITECTURE
     from vllm_v4_patches.dspark.config_hooks import V4_ON_V1_SETTING, accept_dspark_as_dflash
 
-    tree = sources.TreeSource(str(vllm_builds.fetch_source("0.24.0")))
+    tree = sources.TreeSource(str(vllm_builds.fetch_source(version)))
     monkeypatch.setattr(sources, "InstalledSource", lambda: tree)
     keys = {**read_json(built / "config.json"), "architectures": [V4_STAND_IN_ARCHITECTURE]}
     draft = SimpleNamespace(hf_config=SimpleNamespace(**keys))

@@ -58,56 +58,107 @@ def test_the_full_draft_class_is_the_route(tmp_path):
 
 
 def test_the_matrix_records_the_route_and_tells_releases_apart():
-    """Before 0.25 V4 has no draft class: 0.24 has the blocks the overlay builds its
-    own from, 0.23 does not; from 0.25 the overlay's V1 route uses vLLM's. The
-    aspect is part of the answer the sweep compares."""
+    """Before 0.25 V4 has no draft class: 0.20-0.24 have the blocks the overlay builds
+    its own from (in two model modules, three layer and head layouts); from 0.25 the
+    overlay's V1 route uses vLLM's. The aspect is part of the answer the sweep
+    compares."""
     rows = compat.load_matrix()["versions"]
-    assert rows["0.23.0"]["patches"]["dspark"]["aspects"] == {"v4": V4_ROUTE_NO_CLASS}
-    assert rows["0.24.0"]["patches"]["dspark"]["aspects"] == {"v4": V4_ROUTE_OVERLAY}
+    for version in ("0.20.0", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0"):
+        assert rows[version]["patches"]["dspark"]["aspects"] == {"v4": V4_ROUTE_OVERLAY}
     assert rows["0.26.0"]["patches"]["dspark"]["aspects"] == {"v4": V4_ROUTE_CLASS}
     changed = {**rows["0.26.0"]["patches"]["dspark"], "aspects": {"v4": V4_ROUTE_NO_CLASS}}
     assert compat._answer(changed) != compat._answer(rows["0.26.0"]["patches"]["dspark"])
 
 
-MODEL = "vllm/models/deepseek_v4/nvidia/model.py"
-HELPERS = "vllm/model_executor/kernels/mhc/tilelang.py"
+NEW_MODEL = "vllm/models/deepseek_v4/nvidia/model.py"
+OLD_MODEL = "vllm/model_executor/models/deepseek_v4.py"
+NEW_ATTENTION = "vllm/models/deepseek_v4/attention.py"
+OLD_ATTENTION = "vllm/model_executor/layers/deepseek_v4_attention.py"
 BUILDER = "vllm/v1/attention/backends/mla/sparse_swa.py"
-BLOCKS = {
-    MODEL: (
-        "class DeepseekV4DecoderLayer:\n"
-        "    def forward(self, x, positions, input_ids, post_mix, res_mix, residual):\n"
-        "        pass\n"
-        "class DeepseekV4Model:\n"
+DEFERRED = "x, positions, input_ids, post_mix, res_mix, residual"
+MIXED = "x, positions, input_ids"
+
+
+def model_text(layer_args: str, layer_extra: str = "", top: str = "") -> str:
+    return (
+        top + "class DeepseekV4DecoderLayer:\n"
+        f"    def forward(self, {layer_args}):\n        pass\n"
+        + layer_extra
+        + "class DeepseekV4Model:\n"
         "    def load_weights(self, w):\n        pass\n"
         "    def get_expert_mapping(self):\n        pass\n"
-        "    def _pad_shared_expert_weight(self, n, w):\n        pass\n"
         "class DeepseekV4ForCausalLM:\n"
         "    hf_to_vllm_mapper = None\n"
-    ),
-    HELPERS: (
-        "def mhc_post_tilelang(a):\n    pass\n" "def hc_head_fused_kernel_tilelang(a):\n    pass\n"
-    ),
+    )
+
+
+ATTENTION = (
+    "class Wrapper:\n"
+    "    def __init__(self):\n        self.swa_cache_layer = None\n"
+    "    def _fused_qnorm_rope_kv_insert(self, q, kv, positions, attn_metadata):\n"
+    "        pass\n"
+)
+SHARED = {
     BUILDER: (
         "class DeepseekSparseSWAMetadataBuilder:\n"
         "    def build(self, p, c):\n        return self.decode_swa_indices\n"
-    ),
+    )
+}
+# each release family's layout, as the probe reads it (the real trees: the matrix)
+LAYOUTS = {
+    "0.20": {
+        OLD_MODEL: model_text(MIXED, top="def hc_head(a):\n    pass\n"),
+        OLD_ATTENTION: ATTENTION,
+    },
+    "0.21": {
+        OLD_MODEL: model_text(
+            DEFERRED,
+            "    def hc_post(self, x, r, p, c):\n        pass\n",
+            "def hc_head(a):\n    pass\n",
+        ),
+        OLD_ATTENTION: ATTENTION,
+    },
+    "0.22": {
+        NEW_MODEL: model_text(
+            DEFERRED,
+            "    def hc_post(self, x, r, p, c):\n        pass\n",
+            "from vllm.model_executor.layers.mhc import HCHeadOp\n",
+        ),
+        NEW_ATTENTION: ATTENTION,
+    },
+    "0.23": {
+        NEW_MODEL: model_text(
+            DEFERRED,
+            top="from vllm.model_executor.kernels.mhc.tilelang import (\n"
+            "    hc_head_fused_kernel_tilelang,\n    mhc_post_tilelang,\n)\n",
+        ),
+        NEW_ATTENTION: ATTENTION,
+    },
 }
 
 
-def test_v4_blocks_without_the_class_are_the_overlays_route(tmp_path):
-    assert v4_draft_route(tree(tmp_path, {REGISTRY: WITH_V4, **BLOCKS})) == V4_ROUTE_OVERLAY
+@pytest.mark.parametrize("family", LAYOUTS)
+def test_v4_blocks_without_the_class_are_the_overlays_route(tmp_path, family):
+    files = {REGISTRY: WITH_V4, **SHARED, **LAYOUTS[family]}
+    assert v4_draft_route(tree(tmp_path, files)) == V4_ROUTE_OVERLAY
 
 
 @pytest.mark.parametrize(
-    "changed",
+    "family, path, old, new",
     [
-        (MODEL, "post_mix, res_mix, residual", "residual"),  # 0.20's one-tensor layer
-        (MODEL, "_pad_shared_expert_weight", "_pad"),
-        (HELPERS, "def hc_head_fused_kernel_tilelang", "def hc_head"),
-        (BUILDER, "self.decode_swa_indices", "self.indices"),
+        ("0.23", NEW_MODEL, "    mhc_post_tilelang,\n", ""),  # deferred, no post-mix
+        ("0.21", OLD_MODEL, "def hc_post", "def post"),
+        ("0.20", OLD_MODEL, "def hc_head", "def head"),  # no head reduction
+        ("0.22", NEW_MODEL, "get_expert_mapping", "expert_mapping"),
+        ("0.22", NEW_MODEL, "hf_to_vllm_mapper", "mapper"),
+        ("0.20", OLD_MODEL, MIXED, "x, positions"),  # a layer of another shape
+        ("0.23", NEW_ATTENTION, "attn_metadata", "metadata"),
+        ("0.23", NEW_ATTENTION, "self.swa_cache_layer", "self.cache"),
+        ("0.20", BUILDER, "self.decode_swa_indices", "self.indices"),
     ],
 )
-def test_a_missing_block_leaves_v4_refused(tmp_path, changed):
-    path, old, new = changed
-    files = {**BLOCKS, path: BLOCKS[path].replace(old, new)}
-    assert v4_draft_route(tree(tmp_path, {REGISTRY: WITH_V4, **files})) == V4_ROUTE_NO_CLASS
+def test_a_missing_block_leaves_v4_refused(tmp_path, family, path, old, new):
+    files = {REGISTRY: WITH_V4, **SHARED, **LAYOUTS[family]}
+    assert old in files[path]
+    files[path] = files[path].replace(old, new)
+    assert v4_draft_route(tree(tmp_path, files)) == V4_ROUTE_NO_CLASS

@@ -1,9 +1,10 @@
 """A DeepSeek-V4 target's taps on releases whose V4 model records none
 (``dspark.v4_taps``): vLLM's own EAGLE-3 check accepts the target once the members
 are added (and not before), the tapped layers are the ones the interface numbers,
-and the forward returns the taps in layer order. The target and its decoder layers
-are stand-ins with V4's shapes of return (the real ones need CUDA and TileLang), and
-the mHC post-mix is replaced by a sum over the streams for the same reason."""
+and the forward returns the taps in layer order, each the layer's streams after its
+post-mix, averaged. The target and its decoder layers are stand-ins with V4's shapes
+of return (the real ones need CUDA and TileLang): the layer returns 0.21+'s four
+values and its ``hc_post`` (0.21-0.22's post-mix) adds the residual to the streams."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ class Layer(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> tuple:
         out = hidden + self.index
-        return out, torch.zeros_like(out), None, None
+        return out, torch.ones_like(out), None, None
+
+    def hc_post(self, hidden, residual, post_mix, res_mix) -> torch.Tensor:
+        return hidden + residual
 
 
 class Inner(torch.nn.Module):
@@ -48,9 +52,6 @@ class Target(torch.nn.Module):
 
 @pytest.fixture
 def wrapped(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(
-        v4_taps, "merged_streams", lambda hidden, residual, post, res: hidden.sum(dim=1)
-    )
     monkeypatch.setattr(
         Layer, "forward", wrapt.FunctionWrapper(Layer.forward, v4_taps.tap_after_layer)
     )
@@ -80,8 +81,10 @@ def test_the_stream_entering_each_tapped_layer_comes_back_in_layer_order(wrapped
     assert torch.is_tensor(target(hidden))  # no taps asked for: the forward as it was
     target.set_aux_hidden_state_layers((1, 3, 5))
     out, taps = target(hidden)
-    # the stream entering layer k is layer k-1's output: the sum of 0..k-1, per stream
-    assert [float(t[0, 0]) for t in taps] == [HC * 0, HC * (0 + 1 + 2), HC * sum(range(5))]
+    # the stream entering layer k is layer k-1's output (the sum of 0..k-1), post-mixed
+    # (+1) and averaged over the streams
+    assert [float(t[0, 0]) for t in taps] == [0 + 1, (0 + 1 + 2) + 1, sum(range(5)) + 1]
+    assert taps[0].shape == (TOKENS, HIDDEN)
     assert out.shape == (TOKENS, HIDDEN)
     _, again = target(hidden)
     assert len(again) == 3  # each forward's own taps, not accumulated

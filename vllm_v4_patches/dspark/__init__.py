@@ -16,6 +16,7 @@ import ast
 import functools
 from typing import TYPE_CHECKING
 
+from vllm_v4_patches.dspark import v4_blocks
 from vllm_v4_patches.registry import PatchRecord, ProbeResult, Target
 from vllm_v4_patches.sources import SourceReader, dotted, find_class, find_method, names_in
 
@@ -45,17 +46,7 @@ V4_DRAFT_METHODS = (
     "get_draft_kv_cache_layer_names",
     "precompute_and_store_context_kv",
 )
-V4_TARGET_ARCHITECTURE = "DeepseekV4ForCausalLM"
-# what the overlay's own V4 draft class (dspark.v4_stages) builds on, and what its
-# route patches: the V4 model module (decoder layer, loader, target class), the mHC
-# helpers, and the sparse sliding-window builder
-V4_MODEL_MODULE = "vllm.models.deepseek_v4.nvidia.model"
-MHC_MODULE = "vllm.model_executor.kernels.mhc.tilelang"
-SWA_BUILDER_MODULE = "vllm.v1.attention.backends.mla.sparse_swa"
-SWA_BUILDER = "DeepseekSparseSWAMetadataBuilder"
-V4_LAYER_ARGS = ("x", "positions", "input_ids", "post_mix", "res_mix", "residual")
-V4_LOADER_METHODS = ("load_weights", "get_expert_mapping", "_pad_shared_expert_weight")
-MHC_HELPERS = ("mhc_post_tilelang", "hc_head_fused_kernel_tilelang")
+V4_TARGET_ARCHITECTURE = v4_blocks.TARGET_CLASS
 # the architecture vLLM's dflash config gives a DeepSeek-V4 checkpoint before 0.25
 V4_STAND_IN_ARCHITECTURE = "DFlashDeepSeekV4MTPModel"
 # the matrix's "v4" aspect: where a V4 checkpoint's own stages can be drafted on V1
@@ -148,9 +139,11 @@ RECORD = PatchRecord(
         "source has neither vLLM's V4 draft class nor the V4 blocks the overlay builds "
         "its own from, the matrix's v4 aspect): "
         "dspark.v4_proposer drafts them on V1 through vLLM's V4 draft class (0.25+) or, "
-        "on 0.24, the overlay's (dspark.v4_stages: the stages as the release's V4 "
-        "decoder layers, loaded by the release's own V4 loader rules, registered under "
-        "the name vLLM's dflash config gives the checkpoint), the target's taps "
+        "on 0.20-0.24, the overlay's (dspark.v4_stages: the stages as the release's V4 "
+        "decoder layers, mHC post-mix and head, wherever that release keeps them, "
+        "dspark.v4_blocks; loaded by the release's own V4 loader rules, their context "
+        "rows written by its own fused K/V insert; registered under the name vLLM's "
+        "dflash config gives the checkpoint), the target's taps "
         "recorded per tapped layer through EAGLE-3 members added to its class "
         "(dspark.v4_taps), and the draft block's non-causal sliding-window slots "
         "written over the builder's causal ones (dspark.v4_noncausal); with the "
@@ -192,11 +185,21 @@ RECORD = PatchRecord(
         ),
         Target(ENGINE_CORE_MODULE, "EngineCore.__init__"),
         # the DeepSeek-V4 route where the overlay brings the draft class (probed)
-        Target(REGISTRY_MODULE, f"ModelRegistry[{V4_STAND_IN_ARCHITECTURE}]", versions="0.24"),
-        Target(V4_MODEL_MODULE, "DeepseekV4DecoderLayer.forward", versions="0.24"),
-        Target(V4_MODEL_MODULE, f"{V4_TARGET_ARCHITECTURE}.forward", versions="0.24"),
-        Target(V4_MODEL_MODULE, f"{V4_TARGET_ARCHITECTURE}[EAGLE-3 members]", versions="0.24"),
-        Target(SWA_BUILDER_MODULE, f"{SWA_BUILDER}.build", versions="0.24"),
+        Target(REGISTRY_MODULE, f"ModelRegistry[{V4_STAND_IN_ARCHITECTURE}]", versions="0.20-0.24"),
+        *(
+            Target(module, name, versions=versions)
+            for module, versions in zip(
+                v4_blocks.MODEL_MODULES, ("0.22-0.24", "0.20-0.21"), strict=True
+            )
+            for name in (
+                f"{v4_blocks.LAYER_CLASS}.forward",
+                f"{V4_TARGET_ARCHITECTURE}.forward",
+                f"{V4_TARGET_ARCHITECTURE}[EAGLE-3 members]",
+            )
+        ),
+        Target(
+            v4_blocks.SWA_BUILDER_MODULE, f"{v4_blocks.SWA_BUILDER}.build", versions="0.20-0.24"
+        ),
         Target(JIT_MONITOR_MODULES[0], "activate", versions="0.24"),
         Target(JIT_MONITOR_MODULES[1], "activate", versions=">=0.26"),
     ),
@@ -228,12 +231,15 @@ def probe(source: SourceReader) -> ProbeResult:
         return ProbeResult("absent", "no dspark method, and no DFlash Qwen3 draft to build on")
     variant = "+".join(routes) or "no-config-gate"
     facts["routes"] = routes
+    v4_route = v4_draft_route(source)
+    if v4_route == V4_ROUTE_OVERLAY:
+        facts["v4_model_module"] = v4_blocks.model_module(source)
     return ProbeResult(
         "needed",
         f"config: {variant}",
         variant=variant,
         facts=facts,
-        aspects={"v4": v4_draft_route(source)},
+        aspects={"v4": v4_route},
     )
 
 
@@ -246,36 +252,8 @@ def v4_draft_route(source: SourceReader) -> str:
     text = source.read(V4_DRAFT_MODULE)
     draft = find_class(ast.parse(text), V4_DRAFT_CLASS) if text else None
     if draft is None or any(find_method(draft, name) is None for name in V4_DRAFT_METHODS):
-        return V4_ROUTE_OVERLAY if _has_v4_draft_blocks(source) else V4_ROUTE_NO_CLASS
+        return V4_ROUTE_OVERLAY if v4_blocks.model_module(source) else V4_ROUTE_NO_CLASS
     return V4_ROUTE_CLASS
-
-
-def _has_v4_draft_blocks(source: SourceReader) -> bool:
-    """The release's V4 blocks as the overlay's V4 draft class uses them: a decoder
-    layer taking and returning the mHC streams, the model's loader methods, the
-    target class's weight mapper, the mHC helpers, and a sliding-window builder
-    with its decode indices (the route corrects them for the non-causal block)."""
-    model_text = source.read(V4_MODEL_MODULE)
-    helpers = source.read(MHC_MODULE) or ""
-    builder_text = source.read(SWA_BUILDER_MODULE)
-    if not (model_text and builder_text):
-        return False
-    model, builder_tree = ast.parse(model_text), ast.parse(builder_text)
-    layer = find_class(model, "DeepseekV4DecoderLayer")
-    forward = find_method(layer, "forward") if layer else None
-    if forward is None or tuple(a.arg for a in forward.args.args[1:]) != V4_LAYER_ARGS:
-        return False
-    inner = find_class(model, "DeepseekV4Model")
-    if inner is None or any(find_method(inner, name) is None for name in V4_LOADER_METHODS):
-        return False
-    target = find_class(model, V4_TARGET_ARCHITECTURE)
-    if target is None or "hf_to_vllm_mapper" not in names_in(target):
-        return False
-    if any(f"def {name}(" not in helpers for name in MHC_HELPERS):
-        return False
-    builder = find_class(builder_tree, SWA_BUILDER)
-    build = find_method(builder, "build") if builder else None
-    return build is not None and "decode_swa_indices" in names_in(build)
 
 
 def _taps_from_dflash_config_only(source: SourceReader) -> bool:
@@ -416,16 +394,16 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
         patcher.wrap_when_imported(module, "", "activate", warmup.hold_jit_monitor)
     done.append(f"{how} EngineCore.__init__ (warm-up), jit_monitor.activate")
     if found.aspects.get("v4") == V4_ROUTE_OVERLAY:
-        done.append(_apply_v4_overlay_route(patcher))
+        done.append(_apply_v4_overlay_route(patcher, found.facts["v4_model_module"]))
     done.append(V4_ROUTE_SHOWN[found.aspects.get("v4", V4_ROUTE_NO_V4)])
     return "; ".join(done)
 
 
-def _apply_v4_overlay_route(patcher: Patcher) -> str:
+def _apply_v4_overlay_route(patcher: Patcher, model_module: str) -> str:
     """Before 0.25: the overlay's V4 draft class for vLLM's dflash name of a V4
     checkpoint, the target's taps, and the draft block's non-causal slots. Each
     wrapper passes through unless a V4 drafter asked for it (taps set, a non-causal
-    build)."""
+    build). ``model_module`` is the release's V4 model module (the probe's)."""
     from vllm_v4_patches.dspark import v4_noncausal, v4_stages, v4_taps
     from vllm_v4_patches.dspark.config_hooks import register_draft_class
 
@@ -439,23 +417,24 @@ def _apply_v4_overlay_route(patcher: Patcher) -> str:
         ),
     )
     patcher.wrap_when_imported(
-        V4_MODEL_MODULE, "DeepseekV4DecoderLayer", "forward", v4_taps.tap_after_layer
+        model_module, v4_blocks.LAYER_CLASS, "forward", v4_taps.tap_after_layer
     )
     patcher.wrap_when_imported(
-        V4_MODEL_MODULE, V4_TARGET_ARCHITECTURE, "forward", v4_taps.forward_with_taps
+        model_module, V4_TARGET_ARCHITECTURE, "forward", v4_taps.forward_with_taps
     )
     patcher.register_when_imported(
-        V4_MODEL_MODULE,
+        model_module,
         f"{V4_TARGET_ARCHITECTURE}'s EAGLE-3 members",
         lambda module: v4_taps.add_tap_interface(getattr(module, V4_TARGET_ARCHITECTURE)),
     )
+    builder = v4_blocks.SWA_BUILDER
     how = patcher.wrap_when_imported(
-        SWA_BUILDER_MODULE, SWA_BUILDER, "build", v4_noncausal.noncausal_for_draft_block
+        v4_blocks.SWA_BUILDER_MODULE, builder, "build", v4_noncausal.noncausal_for_draft_block
     )
     return (
         f"{how} ModelRegistry[{V4_STAND_IN_ARCHITECTURE}] (the overlay's V4 draft class), "
-        f"DeepseekV4DecoderLayer.forward and {V4_TARGET_ARCHITECTURE}.forward (taps), "
-        f"{SWA_BUILDER}.build (non-causal draft block)"
+        f"{v4_blocks.LAYER_CLASS}.forward and {V4_TARGET_ARCHITECTURE}.forward (taps), "
+        f"{builder}.build (non-causal draft block)"
     )
 
 

@@ -213,9 +213,9 @@ V4_ON_V1_CHOICES = ("off", "on")
 
 def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
     """A DeepSeek-V4 target's own DSpark stages go to the overlay's V4 drafter
-    (``v4_proposer``, through vLLM's V4 draft class, or on 0.24 the overlay's own,
-    ``v4_stages``) only when asked for: on the H200 it is lossless eager at N = 5 on
-    0.26, not yet with CUDA graphs, and unrun on 0.24 (``docs/dspark.md`` section
+    (``v4_proposer``, through vLLM's V4 draft class, or on 0.20-0.24 the overlay's
+    own, ``v4_stages``) only when asked for: on the H200 it is lossless eager at N = 5 on
+    0.26, not yet with CUDA graphs, and unrun on 0.20-0.24 (``docs/dspark.md`` section
     13). Otherwise, and on a release with neither class, one line."""
     from vllm_v4_patches.dspark import checkpoint
     from vllm_v4_patches.toggles import read_choice
@@ -238,7 +238,7 @@ def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
         raise ValueError(
             f"speculative_config.model={draft}: the DSpark stages inside a DeepSeek-V4 "
             f"checkpoint need vLLM's DeepSeek-V4 draft class ({V4_DRAFT_MODULE}, vLLM "
-            ">= 0.25) or the V4 blocks the overlay builds its own from (vLLM 0.24); "
+            ">= 0.25) or the V4 blocks the overlay builds its own from (vLLM 0.20-0.24); "
             f"vLLM {__version__} has neither, so vllm_v4_patches drafts only "
             "DeepSpec-format DSpark drafts here"
         )

@@ -1,5 +1,6 @@
 """A DeepSeek-V4 checkpoint's DSpark stages as a draft model, built from the
-release's own V4 blocks, for releases that have V4 but no V4 draft class (0.24).
+release's own V4 blocks (``v4_blocks``), for releases that have V4 but no V4 draft
+class (0.20-0.24).
 
 The stages (``mtp.{s}.*``) are V4 decoder layers numbered past the target's, so
 their attention is sliding-window only. Stage 0 also holds the context combiner
@@ -9,7 +10,7 @@ LM head are the target's (the V1 drafter shares them: the checkpoint's stages
 have none). Weight names follow the target's own loading rules: a stage's layer
 tensors are renamed to a target layer's and handed to the release's V4 loader.
 
-The module imports vLLM's V4 model package on first use only (``stages_class``).
+The module imports vLLM's V4 model module on first use only (``stages_class``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import functools
 import re
 from typing import Any
 
-from vllm_v4_patches.dspark import MHC_MODULE, V4_MODEL_MODULE
+from vllm_v4_patches.dspark import v4_blocks
 
 CLASS_NAME = "DSparkV4Stages"
 MODEL_REFERENCE = f"{__name__}:{CLASS_NAME}"
@@ -70,50 +71,8 @@ def stage_count(config: Any, spec: Any) -> int:
     return int(count)
 
 
-def store_context_rows(attn: Any, kv: Any, positions: Any, slots: Any) -> None:
-    """Rotate, quantise and write normalised context K/V rows at ``slots`` with the
-    release's fused insert for the layer's cache dtype. The ops also process a
-    query; the context has none, so a zero one is passed and dropped."""
-    import torch
-
-    cache = attn.swa_cache_layer.kv_cache
-    block_size = attn.swa_cache_layer.block_size
-    cos_sin = attn.rotary_emb.cos_sin_cache
-    query = torch.zeros(
-        (kv.shape[0], attn.n_local_heads, attn.head_dim), dtype=kv.dtype, device=kv.device
-    )
-    ops = torch.ops._C
-    if cache.dtype == torch.uint8:  # fp8_ds_mla paged layout
-        flat = cache.view(cache.shape[0], -1)
-        ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
-            query, kv, flat, slots, positions, cos_sin, attn.padded_heads, attn.eps, block_size
-        )
-        return
-    rows = cache.view(-1, block_size, attn.head_dim)
-    if cache.dtype == torch.bfloat16:
-        ops.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert(
-            query, kv, rows, slots, positions, cos_sin, attn.eps, block_size
-        )
-        return
-    ops.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert(
-        query,
-        kv,
-        torch.empty_like(query, dtype=torch.float8_e4m3fn),
-        rows,
-        slots,
-        positions,
-        cos_sin,
-        attn._flashinfer_fp8_kv_scale,
-        attn._flashinfer_fp8_q_scale_inv,
-        attn.eps,
-        block_size,
-    )
-
-
 @functools.cache
 def stages_class() -> type:
-    import importlib
-
     import torch
     from torch import nn
     from vllm.config import get_current_vllm_config
@@ -129,8 +88,7 @@ def stages_class() -> type:
     from vllm_v4_patches.dspark.checkpoint import draft_spec
     from vllm_v4_patches.dspark.draft_model import markov_head_class
 
-    v4 = importlib.import_module(V4_MODEL_MODULE)
-    mhc = importlib.import_module(MHC_MODULE)
+    v4 = v4_blocks.installed_model_module()
     MarkovHead = markov_head_class()
 
     class StageStack(nn.Module):
@@ -139,7 +97,6 @@ def stages_class() -> type:
 
         load_layer_weights = v4.DeepseekV4Model.load_weights
         get_expert_mapping = v4.DeepseekV4Model.get_expert_mapping
-        _pad_shared_expert_weight = v4.DeepseekV4Model._pad_shared_expert_weight
 
         def __init__(self, vllm_config: Any, config: Any, prefix: str) -> None:
             super().__init__()
@@ -162,11 +119,17 @@ def stages_class() -> type:
                 prefix=f"{prefix}.main_proj",
             )
             self.main_norm = RMSNorm(hidden, eps=config.rms_norm_eps)
-            # layer prefixes past the target's: their own caches and compress ratio 0
+            # layer prefixes past the target's: their own caches, sliding window only
             first = config.num_hidden_layers
             layer_config = get_current_vllm_config()
+            # three side streams for the input GEMMs, as the release's V4 model has
+            aux_streams = [torch.cuda.Stream() for _ in range(3)]
             self.layers = nn.ModuleList(
-                v4.DeepseekV4DecoderLayer(layer_config, prefix=f"{prefix}.layers.{first + i}")
+                v4.DeepseekV4DecoderLayer(
+                    layer_config,
+                    prefix=f"{prefix}.layers.{first + i}",
+                    aux_stream_list=aux_streams,
+                )
                 for i in range(stage_count(config, spec))
             )
             self.start_layer, self.end_layer = 0, len(self.layers)
@@ -181,6 +144,7 @@ def stages_class() -> type:
             self.hc_head_scale = nn.Parameter(
                 torch.empty(1, dtype=torch.float32), requires_grad=False
             )
+            self.hc_head = v4_blocks.head_reduction(v4)
             self.markov_head = MarkovHead(config, spec, prefix=f"{prefix}.markov_head")
             self.confidence_head = None
 
@@ -188,14 +152,9 @@ def stages_class() -> type:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
             streams = inputs_embeds.unsqueeze(-2).repeat(1, self.hc_mult, 1)
-            residual = post_mix = res_mix = None
-            for layer in self.layers:
-                streams, residual, post_mix, res_mix = layer(
-                    streams, positions, input_ids, post_mix, res_mix, residual
-                )
-            streams = mhc.mhc_post_tilelang(streams, residual, post_mix, res_mix)
+            streams = v4_blocks.run_layers(self.layers, streams, positions, input_ids)
             # the head hidden before the final norm: what the drafter's heads read
-            return mhc.hc_head_fused_kernel_tilelang(
+            return self.hc_head(
                 streams,
                 self.hc_head_fn,
                 self.hc_head_scale,
@@ -203,6 +162,10 @@ def stages_class() -> type:
                 self.rms_norm_eps,
                 self.hc_eps,
             )
+
+    for name in v4_blocks.LOADER_HELPERS:  # what the release's loader calls, if any
+        if hasattr(v4.DeepseekV4Model, name):
+            setattr(StageStack, name, getattr(v4.DeepseekV4Model, name))
 
     class DSparkV4Stages(nn.Module):
         """DeepSeek-V4's own DSpark stages on the V1 drafter (releases without
@@ -229,7 +192,7 @@ def stages_class() -> type:
             return self.model.main_norm(self.model.main_proj(taps))
 
         def get_draft_kv_cache_layer_names(self) -> list[str]:
-            return [layer.attn.swa_cache_layer.prefix for layer in self.model.layers]
+            return [v4_blocks.kv_owner(layer).swa_cache_layer.prefix for layer in self.model.layers]
 
         @torch.inference_mode()
         def precompute_and_store_context_kv(
@@ -238,12 +201,12 @@ def stages_class() -> type:
             """Each stage's context K/V from the combined taps, at that stage's
             slots (None: the profile run, which projects without writing)."""
             for index, layer in enumerate(self.model.layers):
-                attn = layer.attn
+                attn = v4_blocks.kv_owner(layer)
                 rows, _ = attn.fused_wqa_wkv(context)
                 kv = attn.kv_norm(rows[..., attn.q_lora_rank :])
                 slots = None if slots_per_layer is None else slots_per_layer[index]
                 if slots is not None:
-                    store_context_rows(attn, kv, positions, slots)
+                    v4_blocks.write_context_kv(layer, kv, positions, slots)
 
         def forward(self, input_ids: Any, positions: Any, inputs_embeds: Any = None) -> Any:
             return self.model(input_ids, positions, inputs_embeds)

@@ -1,5 +1,5 @@
 """A DeepSeek-V4 target's taps for its DSpark draft, on releases whose V4 model
-records none (before 0.25).
+records none (0.20-0.24).
 
 The V1 runner reads a drafter's taps through vLLM's EAGLE-3 interface: it asks the
 target to record the hidden state entering each tapped layer and takes them as the
@@ -19,20 +19,20 @@ TAP_SINK = "vllm_v4_tap_sink"  # on a tapped decoder layer: the list its tap joi
 TAPS = "vllm_v4_taps"  # on the target: this forward's taps, in layer order
 
 
-def merged_streams(hidden: Any, residual: Any, post_mix: Any, res_mix: Any) -> Any:
+def merged_tap(layer: Any, output: Any) -> Any:
     """``[T, H]``: a layer's streams after its mHC post-mix, averaged."""
-    from vllm.model_executor.kernels.mhc.tilelang import mhc_post_tilelang
+    from vllm_v4_patches.dspark.v4_blocks import mixed_streams
 
-    return mhc_post_tilelang(hidden, residual, post_mix, res_mix).mean(dim=1)
+    return mixed_streams(layer, output).mean(dim=1)
 
 
 def tap_after_layer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``DeepseekV4DecoderLayer.forward``: a tapped layer's output also joins its
-    model's taps (the layer returns its streams, residual and both mixes)."""
+    model's taps."""
     output = wrapped(*args, **kwargs)
     sink = instance.__dict__.get(TAP_SINK)
     if sink is not None:
-        sink.append(merged_streams(*output))
+        sink.append(merged_tap(instance, output))
     return output
 
 
