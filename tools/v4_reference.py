@@ -1,0 +1,388 @@
+"""An independent reference for the shrunken DeepSeek-V4 and its DSpark stages.
+
+    python tools/v4_reference.py CHECKPOINT RUN.json [--job JOB] [--work DIR]
+
+The target is Hugging Face transformers' own ``DeepseekV4ForCausalLM`` (float32, on
+the CPU), loaded through its own loader from a dequantised copy of the checkpoint
+(the fp8 and MXFP4 weights decoded exactly; bfloat16 holds every decoded value). The
+DSpark stages are the same library's V4 decoder layers, loaded the same way from the
+stage tensors; the block around them is written here from the draft's definition
+(``shared/reference/dspark.md`` section 1.4): the taps are the tapped layers' output
+streams averaged, ``main_x = main_norm(main_proj(taps))``; each stage attends, from
+every block token, to the context rows of the ``sliding_window`` positions before the
+anchor (``kv_norm(wkv(main_x))`` with RoPE at their own positions) and to the whole
+block, with the attention sink; the last stage's head stack gives the pre-norm hidden
+state and the target's LM head the base logits.
+
+Given a GPU run's record of served draft blocks (``tools/record_drafts.py``: each
+block's committed prefix, anchor and sparse base logits), it reports per slot the
+difference between the served logits and this reference's, on the served ids, and a
+control: the same served logits against the reference of another block's prefix.
+Given a run's greedy sequences, it reports the target's teacher-forced agreement:
+each served pick against this reference's logits at that step.
+
+Needs torch, transformers (with DeepSeek-V4) and safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import build_tiny_v4 as tiny  # noqa: E402  (the checkpoint's own encodings)
+from vllm_v4_patches.dspark.v4_stages import stage_tensor_place  # noqa: E402
+
+SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "I64": torch.int64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E8M0": torch.uint8,  # the exponent byte; decoded with its weight
+}
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one file, in its stored dtype (``F8_E8M0`` as its bytes)."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    data = memoryview(raw)[8 + length :]
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        flat = torch.frombuffer(bytearray(data[start:end]), dtype=dtype)
+        tensors[name] = flat.reshape(entry["shape"])
+    return tensors
+
+
+def decoded(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors with every quantised weight decoded (its ``.scale`` dropped): fp8
+    128x128 blocks and MXFP4 groups of 32, into bfloat16 (exact for both)."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".scale"):
+            continue
+        scale = tensors.get(name.removesuffix(".weight") + ".scale")
+        if scale is not None and tensor.dtype == torch.float8_e4m3fn:
+            tensor = tiny.dequantize_fp8_block(tensor.view(torch.uint8), scale).bfloat16()
+        elif scale is not None and tensor.dtype == torch.int8:
+            tensor = tiny.dequantize_fp4_mx(tensor, scale).bfloat16()
+        out[name] = tensor
+    return out
+
+
+def write_hf_copies(checkpoint: Path, work: Path) -> tuple[Path, Path, Path]:
+    """Two checkpoints transformers loads as they are (``target``: the target's
+    tensors; ``stages``: the DSpark stages as the layers of a V4 model with the
+    target's embedding and head and the draft's head stack) and ``draft.safetensors``
+    (the combiner and the Markov head)."""
+    from safetensors.torch import save_file
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    target_dir, stages_dir = work / "target", work / "stages"
+    extras_path = work / "draft.safetensors"
+    if extras_path.exists():
+        return target_dir, stages_dir, extras_path
+    for folder in (target_dir, stages_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    target_config = {k: v for k, v in config.items() if k != "quantization_config"}
+    target_config["compress_ratios"] = config["compress_ratios"][: config["num_hidden_layers"]]
+    stage_count = len(config["compress_ratios"]) - config["num_hidden_layers"]
+    stage_config = {
+        **target_config,
+        "num_hidden_layers": stage_count,
+        "compress_ratios": [0] * stage_count,
+        "num_hash_layers": 0,  # the stages route by their learned gate
+    }
+    extras: dict[str, torch.Tensor] = {}
+    last = f"mtp.{stage_count - 1}."
+    weight_maps: dict[Path, dict[str, str]] = {target_dir: {}, stages_dir: {}}
+    for index, shard in enumerate(sorted(checkpoint.glob("*.safetensors"))):
+        tensors = decoded(read_safetensors(shard))
+        target, stages = {}, {}
+        for name, tensor in tensors.items():
+            place = stage_tensor_place(name)
+            if not name.startswith("mtp."):
+                target[name] = tensor
+                if name in ("embed.weight", "head.weight"):
+                    stages[name] = tensor
+            elif place is None:
+                continue  # the confidence head: not part of the base logits
+            elif place[0] == "layer":
+                stages[place[1]] = tensor
+            elif name.startswith(last) and place[1].startswith(("norm.", "hc_head")):
+                stages[place[1]] = tensor
+            else:
+                extras[place[1]] = tensor
+        for folder, part in ((target_dir, target), (stages_dir, stages)):
+            if part:
+                file_name = f"part-{index:02d}.safetensors"
+                save_file({k: v.contiguous() for k, v in part.items()}, str(folder / file_name))
+                weight_maps[folder].update(dict.fromkeys(part, file_name))
+    for folder, folder_config in ((target_dir, target_config), (stages_dir, stage_config)):
+        (folder / "config.json").write_text(json.dumps(folder_config))
+        index_json = {"metadata": {}, "weight_map": weight_maps[folder]}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index_json))
+    save_file({k: v.contiguous() for k, v in extras.items()}, str(extras_path))
+    return target_dir, stages_dir, extras_path
+
+
+class Reference:
+    """The target and the draft stages in float32, on the CPU."""
+
+    def __init__(self, checkpoint: Path, work: Path) -> None:
+        from safetensors.torch import load_file
+        from transformers import DeepseekV4ForCausalLM
+
+        target_dir, stages_dir, extras_path = write_hf_copies(checkpoint, work)
+        self.config = json.loads((checkpoint / "config.json").read_text())
+        self.target = loaded(DeepseekV4ForCausalLM, target_dir)
+        self.stages = loaded(DeepseekV4ForCausalLM, stages_dir)
+        self.extras = {k: v.float() for k, v in load_file(str(extras_path)).items()}
+        self.taps_cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def target_logits(self, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([tokens])
+        return self.target(input_ids=ids).logits[0].float()
+
+    @torch.inference_mode()
+    def taps(self, tokens: list[int]) -> torch.Tensor:
+        """``[T, len(taps) * H]``: each tapped layer's output streams, averaged."""
+        key = tuple(tokens)
+        if key not in self.taps_cache:
+            self.taps_cache[key] = self._taps(tokens)
+        return self.taps_cache[key]
+
+    def _taps(self, tokens: list[int]) -> torch.Tensor:
+        outputs: dict[int, torch.Tensor] = {}
+        hooks = [
+            layer.register_forward_hook(
+                lambda module, args, out, index=index: outputs.__setitem__(index, out)
+            )
+            for index, layer in enumerate(self.target.model.layers)
+        ]
+        try:
+            self.target(input_ids=torch.tensor([tokens]))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        layers = self.config["dspark_target_layer_ids"]
+        return torch.cat([outputs[layer][0].mean(dim=1) for layer in layers], dim=-1)
+
+    @torch.inference_mode()
+    def draft_base_logits(
+        self, prefix: list[int], anchor: int, variant: str = "exact"
+    ) -> torch.Tensor:
+        """``[N, vocab]``: the block's base logits (before the Markov head) for the
+        block anchored at ``len(prefix)``, the prefix being the committed tokens.
+        ``variant`` names a deliberate error, for the comparison's negative
+        controls: ``causal`` (each block token sees only the block tokens before
+        it), ``short-context`` (the last context row missing)."""
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+            apply_rotary_pos_emb,
+            eager_attention_forward,
+        )
+
+        block = self.config["dspark_block_size"]
+        window = self.config["sliding_window"]
+        anchor_position = len(prefix)
+        main_x = self.taps(prefix) @ self.extras["main_proj.weight"].T
+        main_x = rms_norm(main_x, self.extras["main_norm.weight"], self.config["rms_norm_eps"])
+        first = max(0, anchor_position - window)
+        last = anchor_position - (variant == "short-context")
+        context = main_x[first:last][None]
+        context_positions = torch.arange(first, last)[None]
+        mask = None
+        if variant == "causal":
+            later = torch.ones(block, block, dtype=torch.bool).triu(1)
+            mask = torch.zeros(block, context.shape[1] + block)
+            mask[:, context.shape[1] :][later] = float("-inf")
+        block_positions = torch.arange(anchor_position, anchor_position + block)[None]
+        ids = torch.tensor([[anchor] + [self.config["dspark_noise_token_id"]] * (block - 1)])
+        model = self.stages.model
+        rope_block = model.rotary_emb(context, block_positions, layer_type="main")
+        rope_context = model.rotary_emb(context, context_positions, layer_type="main")
+        hc = self.config["hc_mult"]
+        streams = model.embed_tokens(ids)[:, :, None].expand(-1, -1, hc, -1).contiguous()
+        for layer in model.layers:
+            attn = layer.self_attn
+            post, comb, collapsed = layer.attn_hc(streams)
+            hidden = layer.input_layernorm(collapsed)
+            heads = (1, block, -1, attn.head_dim)
+            q = attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(hidden))).view(heads).transpose(1, 2)
+            q = apply_rotary_pos_emb(attn.q_b_norm(q), *rope_block)
+            kv_block = attn.kv_norm(attn.kv_proj(hidden)).view(1, block, 1, -1).transpose(1, 2)
+            kv_block = apply_rotary_pos_emb(kv_block, *rope_block)
+            kv_context = attn.kv_norm(attn.kv_proj(context)).view(1, -1, 1, attn.head_dim)
+            kv_context = apply_rotary_pos_emb(kv_context.transpose(1, 2), *rope_context)
+            kv = torch.cat([kv_context, kv_block], dim=2)
+            # no mask: every block token sees the window and the whole block
+            out, _ = eager_attention_forward(attn, q, kv, kv, mask, attn.scaling)
+            cos, sin = rope_block
+            out = apply_rotary_pos_emb(out.transpose(1, 2), cos, -sin).transpose(1, 2)
+            grouped = attn.o_a_proj(out.reshape(1, block, attn.config.o_groups, -1)).flatten(2)
+            attn_out = attn.o_b_proj(grouped)
+            streams = post.unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(
+                comb.transpose(-1, -2), streams
+            )
+            post, comb, collapsed = layer.ffn_hc(streams)
+            mlp = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=ids)
+            streams = post.unsqueeze(-1) * mlp.unsqueeze(-2) + torch.matmul(
+                comb.transpose(-1, -2), streams
+            )
+        head_hidden = model.hc_head(streams)
+        return self.stages.lm_head(model.norm(head_hidden))[0].float()
+
+
+def loaded(model_class: Any, folder: Path) -> Any:
+    """The model from ``folder`` in float32; every parameter must come from the file."""
+    model, info = model_class.from_pretrained(
+        str(folder), dtype=torch.float32, output_loading_info=True
+    )
+    missing = [k for k in info["missing_keys"] if "rotary" not in k]
+    if missing or info["mismatched_keys"]:
+        raise ValueError(
+            f"{folder}: missing {missing[:5]}, mismatched {info['mismatched_keys'][:5]}"
+        )
+    return model.eval()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def dense(sparse: dict[str, Any]) -> tuple[list[int], torch.Tensor]:
+    return sparse["ids"], torch.tensor(sparse["values"], dtype=torch.float32)
+
+
+DRAFT_VARIANTS = ("exact", "causal", "short-context")
+
+
+def compare_drafts(
+    reference: Reference, result: dict[str, Any], variant_blocks: int | None = None
+) -> dict[str, Any]:
+    """Per slot, the largest difference over the served ids between the served base
+    logits and the reference's, both centred on their mean over those ids (a common
+    offset moves no pick): against the reference of the block's own committed
+    prefix, against its deliberately wrong variants, and (the control) against the
+    reference of another block. The variants run on the first ``variant_blocks``
+    blocks (all by default); ``closer_to_exact`` is the share of their slots whose
+    served logits lie nearer the exact reference than the variant."""
+    records = result["records"]
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def reference_logits(record: dict[str, Any], variant: str = "exact") -> torch.Tensor:
+        prompt = record["prompt"]
+        sequence = next(s for s in result["sequences"] if s[: len(prompt)] == prompt)
+        committed = tuple(sequence[: record["anchor_position"]])
+        key = (committed, record["anchor"], variant)
+        if key not in cache:
+            cache[key] = reference.draft_base_logits(list(committed), record["anchor"], variant)
+        return cache[key]
+
+    def distances(served: list[dict], logits: torch.Tensor) -> list[float]:
+        gaps = []
+        for slot, sparse in enumerate(served):
+            ids, values = dense(sparse)
+            ours = logits[slot, ids]
+            gaps.append(float(((values - values.mean()) - (ours - ours.mean())).abs().max()))
+        return gaps
+
+    by_variant: dict[str, list[list[float]]] = {name: [] for name in DRAFT_VARIANTS}
+    control: list[float] = []
+    for index, record in enumerate(records):
+        for name in DRAFT_VARIANTS:
+            if name != "exact" and variant_blocks is not None and index >= variant_blocks:
+                continue
+            by_variant[name].append(
+                distances(record["base_logits"], reference_logits(record, name))
+            )
+        other = records[(index + 1) % len(records)]
+        if (other["prompt"], other["anchor_position"]) != (
+            record["prompt"],
+            record["anchor_position"],
+        ):
+            control += distances(record["base_logits"], reference_logits(other))
+    report: dict[str, Any] = {"blocks": len(records)}
+    for name, per_block in by_variant.items():
+        flat = [gap for block in per_block for gap in block]
+        per_slot = list(zip(*per_block, strict=True))
+        report[name] = {
+            "median": statistics.median(flat),
+            "p90": statistics.quantiles(flat, n=10)[-1],
+            "max": max(flat),
+            "median_per_slot": [round(statistics.median(slot), 4) for slot in per_slot],
+        }
+        if name != "exact":
+            exact = [g for block in by_variant["exact"][: len(per_block)] for g in block]
+            closer = sum(e < v for e, v in zip(exact, flat, strict=True))
+            report[name]["closer_to_exact"] = closer / len(flat)
+    report["control"] = {"median": statistics.median(control), "slots": len(control)}
+    return report
+
+
+def compare_target(
+    reference: Reference, sequences: list[list[int]], prompt_lengths: list[int]
+) -> dict[str, Any]:
+    """Each served pick against the reference's logits at its step: the gap from the
+    reference's best to the served pick (0 where they agree)."""
+    gaps, agree, steps = [], 0, 0
+    for sequence, start in zip(sequences, prompt_lengths, strict=True):
+        logits = reference.target_logits(sequence[:-1])
+        for position in range(start - 1, len(sequence) - 1):
+            row = logits[position]
+            pick = sequence[position + 1]
+            gap = float(row.max() - row[pick])
+            gaps.append(gap)
+            agree += gap == 0.0
+            steps += 1
+    return {
+        "steps": steps,
+        "agree": agree,
+        "gap_median": statistics.median(gaps),
+        "gap_max": max(gaps),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("run", type=Path, help="a GPU run's results JSON")
+    parser.add_argument("--job", default="v4-dspark-overlay-v1-exact-served")
+    parser.add_argument("--work", type=Path, default=Path(".cache") / "v4-reference")
+    parser.add_argument("--variant-blocks", type=int, help="blocks the wrong variants run on")
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    reference = Reference(args.checkpoint, args.work)
+    result = json.loads(args.run.read_text())["results"][args.job]
+    prompt_lengths = [
+        next(len(r["prompt"]) for r in result["records"] if s[: len(r["prompt"])] == r["prompt"])
+        for s in result["sequences"]
+    ]
+    report = {
+        "target": compare_target(reference, result["sequences"], prompt_lengths),
+        "drafts": compare_drafts(reference, result, args.variant_blocks),
+    }
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
