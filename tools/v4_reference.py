@@ -14,10 +14,13 @@ anchor (``kv_norm(wkv(main_x))`` with RoPE at their own positions) and to the wh
 block, with the attention sink; the last stage's head stack gives the pre-norm hidden
 state and the target's LM head the base logits.
 
-Given a GPU run's record of served draft blocks (``tools/record_drafts.py``: each
+Given a GPU run's record of served draft blocks (``tools/record_dspark_drafts.py``: each
 block's committed prefix, anchor and sparse base logits), it reports per slot the
 difference between the served logits and this reference's, on the served ids, and a
-control: the same served logits against the reference of another block's prefix.
+control: the same served logits against the reference of another block's prefix;
+and per slot whether the served draft is the greedy pick of the reference's vanilla
+Markov walk (teacher-forced on the served drafts), over the reference's base logits
+and over the served ones.
 Given a run's greedy sequences, it reports the target's teacher-forced agreement:
 each served pick against this reference's logits at that step.
 
@@ -265,6 +268,12 @@ def loaded(model_class: Any, folder: Path) -> Any:
     return model.eval()
 
 
+def markov_bias(extras: dict[str, torch.Tensor], previous: int) -> torch.Tensor:
+    """``[vocab]``: the vanilla Markov head's bias after token ``previous``."""
+    code = extras["markov_head.markov_w1.weight"][previous]
+    return extras["markov_head.markov_w2.weight"] @ code
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
@@ -308,7 +317,13 @@ def compare_drafts(
 
     by_variant: dict[str, list[list[float]]] = {name: [] for name in DRAFT_VARIANTS}
     control: list[float] = []
+    draft_gaps: list[float] = []
+    served_base_gaps: list[float] = []
+    no_bias_gaps: list[float] = []  # the control: the served base logits' own argmax
     for index, record in enumerate(records):
+        draft_gaps += markov_gaps(reference, record, reference_logits(record))
+        served_base_gaps += markov_gaps(reference, record, served_dense(record))
+        no_bias_gaps += markov_gaps(reference, record, served_dense(record), with_bias=False)
         for name in DRAFT_VARIANTS:
             if name != "exact" and variant_blocks is not None and index >= variant_blocks:
                 continue
@@ -336,7 +351,46 @@ def compare_drafts(
             closer = sum(e < v for e, v in zip(exact, flat, strict=True))
             report[name]["closer_to_exact"] = closer / len(flat)
     report["control"] = {"median": statistics.median(control), "slots": len(control)}
+    report["markov"] = {
+        "slots": len(draft_gaps),
+        "agree": sum(gap == 0.0 for gap in draft_gaps),
+        "gap_max": max(draft_gaps),
+        "on_served_base_agree": sum(gap == 0.0 for gap in served_base_gaps),
+        "on_served_base_gap_max": max(served_base_gaps),
+        "on_served_base_without_bias_agree": sum(gap == 0.0 for gap in no_bias_gaps),
+    }
     return report
+
+
+def served_dense(record: dict[str, Any]) -> torch.Tensor:
+    """``[N, vocab]``: the served base logits on the recorded ids, 0 elsewhere (the
+    shrunken checkpoint's LM head rows are zero outside its live ids, so those
+    logits are exactly 0 when the recorded ids are the live ones)."""
+    rows = []
+    for sparse in record["base_logits"]:
+        ids, values = dense(sparse)
+        row = torch.zeros(sparse["size"])
+        row[ids] = values
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def markov_gaps(
+    reference: Reference, record: dict[str, Any], logits: torch.Tensor, with_bias: bool = True
+) -> list[float]:
+    """Per slot, teacher-forced on the served drafts: the reference's Markov-corrected
+    logits (base plus the bias after the slot's served previous token: the anchor,
+    then the served draft before it), and the gap from their best to the served
+    draft (0 where the served draft is the reference's greedy pick)."""
+    gaps = []
+    previous = record["anchor"]
+    for slot, draft in enumerate(record["drafts"]):
+        corrected = logits[slot]
+        if with_bias:
+            corrected = corrected + markov_bias(reference.extras, previous)
+        gaps.append(float(corrected.max() - corrected[draft]))
+        previous = draft
+    return gaps
 
 
 def compare_target(

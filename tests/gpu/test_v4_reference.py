@@ -15,6 +15,9 @@ Tolerances (logits in nats, each block's slot centred on its mean over the ids):
   where they differ the reference's best is at most 0.5 above the served pick (a
   near-tie; the GPU runs bfloat16 with fp8 activations and KV, the reference
   float32);
+* Markov head: on the served base logits, the reference's vanilla Markov walk
+  (teacher-forced on the served drafts) picks every served draft, while the base
+  logits' own argmax (no Markov bias, the control) does not;
 * draft: the median over slots of the largest served-vs-reference difference is at
   most 0.75 (on the GPU, the same route's recomputes of a block differ from each
   other by a median of 0.555); the control (each block against the reference of
@@ -78,3 +81,10 @@ def test_a_wrong_draft_is_told_apart(report: dict, variant: str) -> None:
     drafts = report["drafts"]
     assert drafts[variant]["median"] > drafts["exact"]["median"]
     assert drafts[variant]["closer_to_exact"] >= 0.7
+
+
+def test_the_served_drafts_are_the_markov_walk_over_the_served_base_logits(report: dict) -> None:
+    markov = report["drafts"]["markov"]
+    assert markov["slots"] == 470
+    assert markov["on_served_base_agree"] == markov["slots"]
+    assert markov["on_served_base_without_bias_agree"] < markov["slots"]
