@@ -133,6 +133,23 @@ def test_a_layer_without_its_own_post_mix_uses_its_modules():
     assert float(tap[0, 0, 0]) == 11
 
 
+class NativeLayer(DeferredLayer):
+    """0.22 off CUDA: the layer's native path mixes its streams and returns no
+    residual or mixes; its ``hc_post`` must not run then."""
+
+    def forward(self, x, positions, input_ids, post_mix, res_mix, residual):
+        return x + self.index, None, None, None
+
+    def hc_post(self, hidden, residual, post_mix, res_mix):
+        raise AssertionError("the native path's streams are mixed already")
+
+
+def test_a_layer_that_mixed_its_own_streams_is_not_post_mixed_again():
+    layers = torch.nn.ModuleList(NativeLayer(i) for i in (1, 2))
+    out = v4_blocks.run_layers(layers, streams(), torch.zeros(3), None)
+    assert float(out[0, 0, 0]) == 3
+
+
 def test_the_head_is_the_first_of_the_known_names_and_a_class_is_built():
     class HeadOp:
         def __call__(self, *args):

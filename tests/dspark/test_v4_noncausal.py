@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from vllm_v4_patches.dspark.v4_noncausal import (
@@ -152,3 +153,50 @@ def test_the_builders_causal_answer_is_replaced_in_buffers_it_keeps():
     second = noncausal_block_metadata(builder, metadata, common)
     assert second.decode_swa_indices.data_ptr() == first.decode_swa_indices.data_ptr()
     assert metadata.decode_swa_indices.shape[-1] == 16  # the builder's own left as it was
+
+
+class BuildingBuilder(Builder):
+    """A builder whose ``build`` answers with the causal metadata given to it."""
+
+    def __init__(self, metadata: Metadata) -> None:
+        super().__init__()
+        self.metadata = metadata
+
+    def build(self, common_prefix_len: int, common_attn_metadata: Common) -> Metadata:
+        return self.metadata
+
+
+@pytest.mark.parametrize("through_class", [False, True])
+def test_the_wrapped_build_replaces_only_a_non_causal_blocks_indices(monkeypatch, through_class):
+    """The wrapper on the builder's ``build``: the drafter's metadata (``causal``
+    False) gets the block's slots, the target's (causal) is returned as built, also
+    when ``build`` is called through the class (wrapt then passes no instance)."""
+    import wrapt
+
+    from vllm_v4_patches.dspark.v4_noncausal import noncausal_for_draft_block
+
+    inputs = batch()
+    metadata = Metadata(
+        query_start_loc=inputs["query_start_loc"],
+        seq_lens=inputs["seq_lens"],
+        token_to_req_indices=inputs["token_rows"],
+        is_valid_token=inputs["valid_tokens"],
+        decode_swa_indices=torch.zeros(15, 1, 16, dtype=torch.int32),
+        decode_swa_lens=torch.zeros(15, dtype=torch.int32),
+        num_decode_tokens=15,
+    )
+    wrapped = wrapt.FunctionWrapper(BuildingBuilder.build, noncausal_for_draft_block)
+    monkeypatch.setattr(BuildingBuilder, "build", wrapped)
+    builder = BuildingBuilder(metadata)
+    want, _ = block_swa_indices(**inputs, block_size=BLOCK_SIZE, window_size=16, width=128)
+    for causal in (False, True):
+        common = Common(inputs["block_table"])
+        common.causal = causal
+        if through_class:
+            built = BuildingBuilder.build(builder, 0, common)
+        else:
+            built = builder.build(0, common_attn_metadata=common)
+        if causal:
+            assert built is metadata
+        else:
+            assert torch.equal(built.decode_swa_indices, want)

@@ -92,3 +92,16 @@ def test_the_stream_entering_each_tapped_layer_comes_back_in_layer_order(wrapped
 
 def test_the_default_layers_follow_vllms_rule(wrapped):
     assert Target(8).get_eagle3_default_aux_hidden_state_layers() == (2, 4, 5)
+
+
+def test_a_forward_called_through_its_class_is_tapped_too(wrapped):
+    """wrapt passes no instance for ``Class.forward(obj, ...)``; the tap still goes
+    to that layer's model."""
+    target = Target(4)
+    target.set_aux_hidden_state_layers((2,))
+    layer = target.model.layers[1]
+    taps = target.__dict__[v4_taps.TAPS]
+    Layer.forward(layer, torch.zeros(TOKENS, HC, HIDDEN))
+    assert len(taps) == 1 and float(taps[0][0, 0]) == 1 + 1
+    out, recorded = Target.forward(target, torch.zeros(TOKENS, HC, HIDDEN))
+    assert [float(t[0, 0]) for t in recorded] == [1 + 1]  # layer 1 of zeros, post-mixed

@@ -145,10 +145,14 @@ def last_post_mix(layer: Any) -> Any:
 
 
 def mixed_streams(layer: Any, output: Any) -> Any:
-    """``[T, hc_mult, H]``: a decoder layer's output with its post-mix applied."""
-    if isinstance(output, tuple):
-        return last_post_mix(layer)(*output)
-    return output
+    """``[T, hc_mult, H]``: a decoder layer's output with its post-mix applied. A
+    deferring layer that ran its native path (0.22 off CUDA) returns no residual:
+    its streams are mixed already."""
+    if not isinstance(output, tuple):
+        return output
+    if output[1] is None:
+        return output[0]
+    return last_post_mix(layer)(*output)
 
 
 def run_layers(layers: Any, streams: Any, positions: Any, input_ids: Any) -> Any:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from vllm_v4_patches.patcher import split_receiver
+
 # the sparse MLA decode kernel pads its query heads to a tile that needs the index
 # width to be a multiple of this
 INDEX_WIDTH_MULTIPLE = 128
@@ -97,7 +99,8 @@ def noncausal_for_draft_block(wrapped: Any, instance: Any, args: tuple, kwargs: 
     block (the drafter's common metadata says ``causal=False``) gets the block's
     non-causal slots; the target's (causal) metadata is left as built."""
     metadata = wrapped(*args, **kwargs)
-    common = kwargs.get("common_attn_metadata", args[1] if len(args) > 1 else None)
+    builder, call_args, _ = split_receiver(instance, args)
+    common = kwargs.get("common_attn_metadata", call_args[1] if len(call_args) > 1 else None)
     if common is None or common.causal is not False:
         return metadata
-    return noncausal_block_metadata(instance, metadata, common)
+    return noncausal_block_metadata(builder, metadata, common)

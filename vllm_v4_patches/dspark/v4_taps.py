@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from vllm_v4_patches.patcher import split_receiver
+
 TAP_SINK = "vllm_v4_tap_sink"  # on a tapped decoder layer: the list its tap joins
 TAPS = "vllm_v4_taps"  # on the target: this forward's taps, in layer order
 
@@ -30,16 +32,18 @@ def tap_after_layer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     """``DeepseekV4DecoderLayer.forward``: a tapped layer's output also joins its
     model's taps."""
     output = wrapped(*args, **kwargs)
-    sink = instance.__dict__.get(TAP_SINK)
+    layer, _, _ = split_receiver(instance, args)
+    sink = layer.__dict__.get(TAP_SINK)
     if sink is not None:
-        sink.append(merged_tap(instance, output))
+        sink.append(merged_tap(layer, output))
     return output
 
 
 def forward_with_taps(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``DeepseekV4ForCausalLM.forward``: with taps set, the hidden states and the
     taps this forward recorded, as the runner expects from an EAGLE-3 target."""
-    taps = instance.__dict__.get(TAPS)
+    target, _, _ = split_receiver(instance, args)
+    taps = target.__dict__.get(TAPS)
     if taps is None:
         return wrapped(*args, **kwargs)
     taps.clear()
