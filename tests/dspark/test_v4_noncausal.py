@@ -134,9 +134,9 @@ class Common:
         self.block_table_tensor = block_table
 
 
-def test_the_builders_causal_answer_is_replaced_in_buffers_it_keeps():
-    inputs = batch()
-    metadata = Metadata(
+def causal_metadata(inputs: dict) -> Metadata:
+    """The builder's own (causal) answer for ``batch()``: window-wide indices."""
+    return Metadata(
         query_start_loc=inputs["query_start_loc"],
         seq_lens=inputs["seq_lens"],
         token_to_req_indices=inputs["token_rows"],
@@ -145,6 +145,11 @@ def test_the_builders_causal_answer_is_replaced_in_buffers_it_keeps():
         decode_swa_lens=torch.zeros(15, dtype=torch.int32),
         num_decode_tokens=15,
     )
+
+
+def test_the_builders_causal_answer_is_replaced_in_buffers_it_keeps():
+    inputs = batch()
+    metadata = causal_metadata(inputs)
     builder = Builder()
     common = Common(inputs["block_table"])
     first = noncausal_block_metadata(builder, metadata, common)
@@ -176,15 +181,7 @@ def test_the_wrapped_build_replaces_only_a_non_causal_blocks_indices(monkeypatch
     from vllm_v4_patches.dspark.v4_noncausal import noncausal_for_draft_block
 
     inputs = batch()
-    metadata = Metadata(
-        query_start_loc=inputs["query_start_loc"],
-        seq_lens=inputs["seq_lens"],
-        token_to_req_indices=inputs["token_rows"],
-        is_valid_token=inputs["valid_tokens"],
-        decode_swa_indices=torch.zeros(15, 1, 16, dtype=torch.int32),
-        decode_swa_lens=torch.zeros(15, dtype=torch.int32),
-        num_decode_tokens=15,
-    )
+    metadata = causal_metadata(inputs)
     wrapped = wrapt.FunctionWrapper(BuildingBuilder.build, noncausal_for_draft_block)
     monkeypatch.setattr(BuildingBuilder, "build", wrapped)
     builder = BuildingBuilder(metadata)
