@@ -175,7 +175,7 @@ class BuildingBuilder(Builder):
 def test_the_wrapped_build_replaces_only_a_non_causal_blocks_indices(monkeypatch, through_class):
     """The wrapper on the builder's ``build``: the drafter's metadata (``causal``
     False) gets the block's slots, the target's (causal) is returned as built, also
-    when ``build`` is called through the class (wrapt then passes no instance)."""
+    when ``build`` is called through the class."""
     import wrapt
 
     from vllm_v4_patches.dspark.v4_noncausal import noncausal_for_draft_block

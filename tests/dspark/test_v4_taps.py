@@ -95,8 +95,9 @@ def test_the_default_layers_follow_vllms_rule(wrapped):
 
 
 def test_a_forward_called_through_its_class_is_tapped_too(wrapped):
-    """wrapt passes no instance for ``Class.forward(obj, ...)``; the tap still goes
-    to that layer's model."""
+    """``Class.forward(obj, ...)`` (wrapt 2 hands the wrapper ``obj`` as its
+    instance; the wrappers also take it from the arguments where it does not): the
+    tap still goes to that layer's model."""
     target = Target(4)
     target.set_aux_hidden_state_layers((2,))
     layer = target.model.layers[1]
