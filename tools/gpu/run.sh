@@ -58,11 +58,21 @@ unpack_kernels() {
   echo "kernel cache unpacked: $(du -sh .cache/gpu-kernels | cut -f1)"
 }
 
-# the release's folder, and the CUTLASS DSL's own package folder: its wheel adds that
-# through a .pth file, which only a real site directory reads (pip --target is not one)
+# the release's folder, and the folders its wheels' .pth files name (the CUTLASS DSL's
+# package folder: dsl_packages in 4.4, python_packages in 4.5): only a real site
+# directory reads .pth files, and pip --target is not one
 site_path() {
-  local dsl=$site/nvidia_cutlass_dsl/dsl_packages
-  if [ -d "$dsl" ]; then echo "$site:$dsl"; else echo "$site"; fi
+  local path=$site pth line
+  for pth in "$site"/*.pth; do
+    [ -f "$pth" ] || continue
+    while IFS= read -r line || [ -n "$line" ]; do
+      case $line in "" | "#"* | import*) continue ;; esac
+      if [ -d "$site/$line" ] && [[ ":$path:" != *":$site/$line:"* ]]; then
+        path=$path:$site/$line
+      fi
+    done <"$pth"
+  done
+  echo "$path"
 }
 
 case $command in

@@ -698,6 +698,14 @@ def statuses_of(outcomes: dict[str, Outcome], job: str) -> list[dict]:
     return outcomes[job].statuses
 
 
+def all_ran(outcomes: dict[str, Outcome], *names: str) -> None:
+    """A check comparing jobs is unanswered, not failed, when one of them did not
+    run, even if another of them failed."""
+    for name in names:
+        if name not in outcomes:
+            raise NotRun(f"{name} not run on this release")
+
+
 def result_of(outcomes: dict[str, Outcome], name: str) -> dict:
     outcome = outcomes.get(name)
     if outcome is None:
@@ -715,6 +723,7 @@ def result_of(outcomes: dict[str, Outcome], name: str) -> dict:
 
 def same_tokens(reference: str, other: str) -> Check:
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        all_ran(outcomes, reference, other)
         ref, got = result_of(outcomes, reference), result_of(outcomes, other)
         equal = sum(a == b for a, b in zip(ref["token_ids"], got["token_ids"], strict=True))
         return equal == len(ref["token_ids"]), f"{equal}/{len(ref['token_ids'])} sequences equal"
@@ -757,6 +766,7 @@ def same_until_near_tie(reference: str, other: str) -> Check:
     pick the reference made by less than NEAR_TIE nats (and is not compared after)."""
 
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        all_ran(outcomes, reference, other)
         return near_tie_verdict(result_of(outcomes, reference), result_of(outcomes, other))
 
     return check
@@ -824,6 +834,7 @@ def teacher_forced_lossless(
 
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
         names = [*calibrators, *(name for name in where_run if name in outcomes)]
+        all_ran(outcomes, job, *names)
         noise = {
             name: largest_gap(teacher_forced(result_of(outcomes, name), name)["gaps"])
             for name in names
