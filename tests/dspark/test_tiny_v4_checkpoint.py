@@ -1105,3 +1105,68 @@ def test_the_overlays_v4_class_takes_the_stage_count_from_the_checkpoint(built: 
     with pytest.raises(ValueError, match="n_mtp_layers") as refused:
         stage_count(loaded, draft_spec(loaded))
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("version", ["0.20.2", "0.21.0"])
+def test_on_020_021_a_v4_target_passes_the_tap_model_list_for_that_call_alone(
+    built: Path, monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    """vLLM 0.20-0.21 refuse dflash (the method the stand-in route runs as) for a
+    target whose model type is not on a fixed list; DeepSeek-V4 is not (the H200's
+    0.20.2 run, 2026-12-05). The list check here is the release's own code, compiled
+    from its source (its config needs a GPU model); the target's config is
+    transformers' real DeepSeek-V4 one. Without the probe's fact the check refuses;
+    with it the V4 target passes, its type is back afterwards, also when the call
+    fails, and any other type is checked as before."""
+    import vllm_builds
+    from release_code import release_method
+    from transformers import DeepseekV4Config
+
+    from vllm_v4_patches.dspark import TAPS_GATE_LIST, V4_STAND_IN_ARCHITECTURE
+    from vllm_v4_patches.dspark.config_hooks import V4_ON_V1_SETTING, accept_dspark_as_dflash
+
+    gate = release_method(
+        vllm_builds.fetch_source(version),
+        "vllm/config/speculative.py",
+        "SpeculativeConfig",
+        "_verify_args",
+        keep={TAPS_GATE_LIST},
+    )
+    keys = {**read_json(built / "config.json"), "architectures": [V4_STAND_IN_ARCHITECTURE]}
+    config = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(**keys)))
+    text_config = DeepseekV4Config()
+    target = SimpleNamespace(model=str(built), hf_text_config=text_config)
+    request = {
+        "method": "dspark",
+        "model": str(built),
+        "target_model_config": target,
+        "num_speculative_tokens": keys["dspark_block_size"],
+    }
+    seen: list[str] = []
+
+    def speculative_config_init(**kwargs: Any) -> None:
+        gate(SimpleNamespace(**kwargs))
+        seen.append(kwargs["target_model_config"].hf_text_config.model_type)
+
+    monkeypatch.setenv(V4_ON_V1_SETTING, "on")
+    with pytest.raises(ValueError, match="is only supported for"):
+        accept_dspark_as_dflash(speculative_config_init, config, (), request)
+    accept_dspark_as_dflash(speculative_config_init, config, (), request, v4_taps_gate=True)
+    assert seen == ["deepseek_v3"]
+    assert text_config.model_type == "deepseek_v4" and "model_type" not in vars(text_config)
+
+    def failing_init(**kwargs: Any) -> None:
+        raise RuntimeError("the config failed after the list check")
+
+    with pytest.raises(RuntimeError):
+        accept_dspark_as_dflash(failing_init, config, (), request, v4_taps_gate=True)
+    assert text_config.model_type == "deepseek_v4" and "model_type" not in vars(text_config)
+    other = SimpleNamespace(model=str(built), hf_text_config=SimpleNamespace(model_type="olmo"))
+    with pytest.raises(ValueError, match="is only supported for"):
+        accept_dspark_as_dflash(
+            speculative_config_init,
+            config,
+            (),
+            {**request, "target_model_config": other},
+            v4_taps_gate=True,
+        )

@@ -7,6 +7,7 @@ sliding-window metadata has (the real builder needs CUDA and V4's kernels)."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -197,3 +198,94 @@ def test_the_wrapped_build_replaces_only_a_non_causal_blocks_indices(monkeypatch
             assert built is metadata
         else:
             assert torch.equal(built.decode_swa_indices, want)
+
+
+# -- the decode split under parallel drafting ---------------------------------
+
+SWA_BUILDER_PATH = "vllm/v1/attention/backends/mla/sparse_swa.py"
+BASE_BUILDER_PATH = "vllm/v1/attention/backend.py"
+# what the sliding-window builder's __init__ computes its threshold from
+THRESHOLD_INPUTS = {"num_speculative_tokens", "decode_threshold", "spec_config", "spec_mult"}
+
+
+def release_builders(version: str, wrap: bool) -> tuple[type, type]:
+    """(the sliding-window builder, a sparse MLA builder): stand-in classes whose
+    threshold code is the release's own, compiled from its source tree (the real
+    builders need CUDA); with ``wrap``, the overlay's wrapper on the first's
+    ``__init__``."""
+    import vllm_builds
+    import wrapt
+
+    from vllm_v4_patches.dspark.v4_noncausal import decode_split_for_parallel_drafting
+
+    root = vllm_builds.fetch_source(version)
+    from release_code import release_method
+
+    swa_init = release_method(
+        root,
+        SWA_BUILDER_PATH,
+        "DeepseekSparseSWAMetadataBuilder",
+        "__init__",
+        keep=THRESHOLD_INPUTS,
+    )
+    reorder = release_method(
+        root, BASE_BUILDER_PATH, "AttentionMetadataBuilder", "_init_reorder_batch_threshold"
+    )
+
+    class SlidingWindow:
+        reorder_batch_threshold = 1  # the release's class attribute (checked below)
+        __init__ = (
+            wrapt.FunctionWrapper(swa_init, decode_split_for_parallel_drafting)
+            if wrap
+            else swa_init
+        )
+
+    class SparseMLA:
+        _init_reorder_batch_threshold = reorder
+
+        def __init__(self) -> None:
+            self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+
+    return SlidingWindow, SparseMLA
+
+
+def built(cls: type, tokens: int, parallel: bool):
+    spec = types.SimpleNamespace(num_speculative_tokens=tokens, parallel_drafting=parallel)
+    parallel_config = types.SimpleNamespace(decode_context_parallel_size=1)
+    config = types.SimpleNamespace(speculative_config=spec, parallel_config=parallel_config)
+    builder = cls.__new__(cls)
+    builder.vllm_config = config
+    builder.__init__()
+    return builder
+
+
+@pytest.mark.parametrize("version", ["0.20.2", "0.22.0", "0.24.0"])
+def test_under_parallel_drafting_the_window_builder_splits_where_the_sparse_mla_one_does(version):
+    """Stock 0.20-0.24: under parallel drafting the sliding-window builder calls a
+    query of N+2 to 2N+1 tokens a prefill and the sparse MLA builders a decode (the
+    H200's 0.24.0 warm-up failed there). With the wrapper both thresholds are the
+    same; without parallel drafting nothing changes."""
+    import vllm_builds
+
+    text = (vllm_builds.fetch_source(version) / SWA_BUILDER_PATH).read_text()
+    assert "reorder_batch_threshold: int = 1" in text
+    for tokens in (1, 3, 5):
+        stock_window, sparse_mla = release_builders(version, wrap=False)
+        patched_window, _ = release_builders(version, wrap=True)
+        mla = built(sparse_mla, tokens, parallel=True).reorder_batch_threshold
+        assert mla == 1 + 2 * tokens
+        assert built(stock_window, tokens, parallel=True).decode_threshold == 1 + tokens
+        assert built(patched_window, tokens, parallel=True).decode_threshold == mla
+        # no parallel drafting: the release's split, which already agrees
+        mla = built(sparse_mla, tokens, parallel=False).reorder_batch_threshold
+        for window in (stock_window, patched_window):
+            assert built(window, tokens, parallel=False).decode_threshold == mla == 1 + tokens
+
+
+def test_from_025_the_release_splits_as_the_wrapper_does():
+    """vLLM 0.25.0 counts the parallel-drafting slots in the window builder itself
+    (why the route's wrapper stops at 0.24)."""
+    window, sparse_mla = release_builders("0.25.0", wrap=False)
+    for tokens in (1, 5):
+        mla = built(sparse_mla, tokens, parallel=True).reorder_batch_threshold
+        assert built(window, tokens, parallel=True).decode_threshold == mla

@@ -101,6 +101,8 @@ ATTENTION = (
 SHARED = {
     BUILDER: (
         "class DeepseekSparseSWAMetadataBuilder:\n"
+        "    def __init__(self):\n"
+        "        self.decode_threshold = self.reorder_batch_threshold + 1\n"
         "    def build(self, p, c):\n        return self.decode_swa_indices\n"
     )
 }
@@ -155,6 +157,7 @@ def test_v4_blocks_without_the_class_are_the_overlays_route(tmp_path, family):
         ("0.23", NEW_ATTENTION, "attn_metadata", "metadata"),
         ("0.23", NEW_ATTENTION, "self.swa_cache_layer", "self.cache"),
         ("0.20", BUILDER, "self.decode_swa_indices", "self.indices"),
+        ("0.22", BUILDER, "self.decode_threshold", "self.threshold"),  # no split to align
     ],
 )
 def test_a_missing_block_leaves_v4_refused(tmp_path, family, path, old, new):
@@ -162,3 +165,18 @@ def test_a_missing_block_leaves_v4_refused(tmp_path, family, path, old, new):
     assert old in files[path]
     files[path] = files[path].replace(old, new)
     assert v4_draft_route(tree(tmp_path, files)) == V4_ROUTE_NO_CLASS
+
+
+@pytest.mark.parametrize(
+    "version, gated", [("0.20.2", True), ("0.21.0", True), ("0.22.0", False), ("0.24.0", False)]
+)
+def test_the_tap_model_list_without_v4_is_found_where_it_is(version, gated):
+    """0.20-0.21 check a tapping method's target type against a fixed list without
+    DeepSeek-V4 (the probe's fact that lets a V4 target pass it); 0.22 dropped it."""
+    import vllm_builds
+
+    from vllm_v4_patches.dspark import probe
+
+    found = probe(TreeSource(str(vllm_builds.fetch_source(version))))
+    assert found.aspects["v4"] == V4_ROUTE_OVERLAY
+    assert found.facts["v4_taps_gate"] is gated

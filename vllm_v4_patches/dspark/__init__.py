@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 CONFIG_MODULE = "vllm.config.vllm"
 SPEC_CONFIG_MODULE = "vllm.config.speculative"
+# 0.20-0.21: the target model types a tapping method (eagle3, dflash) is allowed on
+TAPS_GATE_LIST = "aux_hidden_states_supported"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 DFLASH_MODULE = "vllm.v1.spec_decode.dflash"
 REGISTRY_MODULE = "vllm.model_executor.models.registry"
@@ -143,10 +145,14 @@ RECORD = PatchRecord(
         "decoder layers, mHC post-mix and head, wherever that release keeps them, "
         "dspark.v4_blocks; loaded by the release's own V4 loader rules, their context "
         "rows written by its own fused K/V insert; registered under the name vLLM's "
-        "dflash config gives the checkpoint), the target's taps "
+        "dflash config gives the checkpoint; where 0.20-0.21 check a tapping method's "
+        "target against a list of model types, a V4 target is shown as deepseek_v3 "
+        "for that check alone), the target's taps "
         "recorded per tapped layer through EAGLE-3 members added to its class "
         "(dspark.v4_taps), and the draft block's non-causal sliding-window slots "
-        "written over the builder's causal ones (dspark.v4_noncausal); with the "
+        "written over the builder's causal ones, and its decode split counting the "
+        "parallel-drafting slots as the sparse MLA builders do (dspark.v4_noncausal); "
+        "with the "
         "context buffer H wide (main_x, not hc_mult * H), the taps combined before the "
         "base propose, one attention group per KV cache group holding a draft layer "
         "(vLLM's V4 grouping splits the draft's sliding-window caches), each "
@@ -197,8 +203,13 @@ RECORD = PatchRecord(
                 f"{V4_TARGET_ARCHITECTURE}[EAGLE-3 members]",
             )
         ),
-        Target(
-            v4_blocks.SWA_BUILDER_MODULE, f"{v4_blocks.SWA_BUILDER}.build", versions="0.20-0.24"
+        *(
+            Target(
+                v4_blocks.SWA_BUILDER_MODULE,
+                f"{v4_blocks.SWA_BUILDER}.{name}",
+                versions="0.20-0.24",
+            )
+            for name in ("build", "__init__")
         ),
         Target(JIT_MONITOR_MODULES[0], "activate", versions="0.24"),
         Target(JIT_MONITOR_MODULES[1], "activate", versions=">=0.26"),
@@ -234,6 +245,7 @@ def probe(source: SourceReader) -> ProbeResult:
     v4_route = v4_draft_route(source)
     if v4_route == V4_ROUTE_OVERLAY:
         facts["v4_model_module"] = v4_blocks.model_module(source)
+        facts["v4_taps_gate"] = _gates_v4_taps(source)
     return ProbeResult(
         "needed",
         f"config: {variant}",
@@ -254,6 +266,19 @@ def v4_draft_route(source: SourceReader) -> str:
     if draft is None or any(find_method(draft, name) is None for name in V4_DRAFT_METHODS):
         return V4_ROUTE_OVERLAY if v4_blocks.model_module(source) else V4_ROUTE_NO_CLASS
     return V4_ROUTE_CLASS
+
+
+def _gates_v4_taps(source: SourceReader) -> bool:
+    """Whether the speculative config checks a tapping method's target against a
+    fixed list of model types that lacks DeepSeek-V4 (0.20-0.21)."""
+    text = source.read(SPEC_CONFIG_MODULE)
+    config = find_class(ast.parse(text), "SpeculativeConfig") if text else None
+    verify = find_method(config, "_verify_args") if config else None
+    for node in ast.walk(verify) if verify else ():
+        if isinstance(node, ast.Assign) and TAPS_GATE_LIST in names_in(node):
+            listed = {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)}
+            return "deepseek_v4" not in listed
+    return False
 
 
 def _taps_from_dflash_config_only(source: SourceReader) -> bool:
@@ -348,10 +373,13 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
     architectures = (OVERLAY_ARCHITECTURE,)
     if "dflash-stand-in" in routes:
         architectures += DSPARK_ARCHITECTURES
+        gate = found.facts.get("v4_taps_gate", False)
+        accept = functools.partial(accept_dspark_as_dflash, v4_taps_gate=gate)
         how = patcher.wrap_when_imported(
-            SPEC_CONFIG_MODULE, "SpeculativeConfig", "__init__", accept_dspark_as_dflash
+            SPEC_CONFIG_MODULE, "SpeculativeConfig", "__init__", accept
         )
-        done.append(f"{how} SpeculativeConfig.__init__")
+        shown = " (a V4 target passes the tap-model list as deepseek_v3)" if gate else ""
+        done.append(f"{how} SpeculativeConfig.__init__{shown}")
     how = patcher.register_when_imported(
         REGISTRY_MODULE,
         f"ModelRegistry[{', '.join(architectures)}]",
@@ -428,13 +456,17 @@ def _apply_v4_overlay_route(patcher: Patcher, model_module: str) -> str:
         lambda module: v4_taps.add_tap_interface(getattr(module, V4_TARGET_ARCHITECTURE)),
     )
     builder = v4_blocks.SWA_BUILDER
-    how = patcher.wrap_when_imported(
-        v4_blocks.SWA_BUILDER_MODULE, builder, "build", v4_noncausal.noncausal_for_draft_block
-    )
+    builder_wrappers = {
+        "build": v4_noncausal.noncausal_for_draft_block,
+        "__init__": v4_noncausal.decode_split_for_parallel_drafting,
+    }
+    for method, wrapper in builder_wrappers.items():
+        how = patcher.wrap_when_imported(v4_blocks.SWA_BUILDER_MODULE, builder, method, wrapper)
     return (
         f"{how} ModelRegistry[{V4_STAND_IN_ARCHITECTURE}] (the overlay's V4 draft class), "
         f"{v4_blocks.LAYER_CLASS}.forward and {V4_TARGET_ARCHITECTURE}.forward (taps), "
-        f"{builder}.build (non-causal draft block)"
+        f"{builder}.build (non-causal draft block), {builder}.__init__ (decode split "
+        "under parallel drafting)"
     )
 
 
@@ -442,7 +474,7 @@ V4_ROUTE_SHOWN = {
     V4_ROUTE_CLASS: "DeepSeek-V4's own stages: drafted on V1 through vLLM's V4 draft class "
     "where VLLM_V4_DSPARK_V4_ON_V1=on, else refused in one line",
     V4_ROUTE_OVERLAY: "DeepSeek-V4's own stages: drafted on V1 through the overlay's V4 "
-    "draft class where VLLM_V4_DSPARK_V4_ON_V1=on (not yet run on a GPU), else refused "
+    "draft class where VLLM_V4_DSPARK_V4_ON_V1=on (not yet served on a GPU), else refused "
     "in one line",
     V4_ROUTE_NO_CLASS: "DeepSeek-V4's own stages: refused on V1 (no usable V4 draft class)",
     V4_ROUTE_NO_V4: "no DeepSeek-V4 in this vLLM",

@@ -9,7 +9,8 @@ list lets dspark through. A local draft's config is validated first.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vllm_v4_patches.dspark import (
@@ -32,14 +33,51 @@ def is_dspark(speculative_config: Any) -> bool:
     return getattr(getattr(draft, "hf_config", None), DRAFT_METHOD_MARK, None) == "dspark"
 
 
-def accept_dspark_as_dflash(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+def accept_dspark_as_dflash(
+    wrapped: Any, instance: Any, args: tuple, kwargs: dict, v4_taps_gate: bool = False
+) -> Any:
+    """``SpeculativeConfig.__init__``: a dspark request runs as vLLM's dflash method.
+    With ``v4_taps_gate`` (the probe found 0.20-0.21's list of target model types
+    with tap members, which lacks DeepSeek-V4), a V4 target passes that list: the
+    overlay's V4 route adds the tap members to the V4 target class (``v4_taps``)."""
     if kwargs.get("method") != "dspark":
         return wrapped(*args, **kwargs)
     spec = _check_stand_in_request(kwargs)
-    result = wrapped(*args, **{**kwargs, "method": "dflash"})
+    target = kwargs.get("target_model_config")
+    with taps_gate_passed(target if v4_taps_gate else None):
+        result = wrapped(*args, **{**kwargs, "method": "dflash"})
     config, _, _ = split_receiver(instance, args)
     _mark_dspark_draft(config.draft_model_config.hf_config, spec)
     return result
+
+
+V4_MODEL_TYPE = "deepseek_v4"
+# a listed type the V4 target is shown as while the gate runs: its closest relative
+TAPS_GATE_STAND_IN = "deepseek_v3"
+
+
+@contextlib.contextmanager
+def taps_gate_passed(target_model_config: Any) -> Iterator[None]:
+    """For the length of the block, a V4 target's text config says
+    ``TAPS_GATE_STAND_IN`` as its model type: 0.20-0.21 check the type against a
+    fixed list, and nothing else in the speculative config reads the target's type
+    for dflash. Restored however the block ends."""
+    text_config = getattr(target_model_config, "hf_text_config", None)
+    if getattr(text_config, "model_type", None) != V4_MODEL_TYPE:
+        yield
+        return
+    own = text_config.__dict__.get("model_type", _ABSENT)
+    text_config.model_type = TAPS_GATE_STAND_IN
+    try:
+        yield
+    finally:
+        if own is _ABSENT:
+            del text_config.model_type
+        else:
+            text_config.model_type = own
+
+
+_ABSENT = object()
 
 
 def _check_stand_in_request(kwargs: dict) -> Any:

@@ -111,10 +111,19 @@ def _has_kv_insert(source: SourceReader) -> bool:
 
 
 def _has_decode_indices(source: SourceReader) -> bool:
+    """A sliding-window builder whose ``build`` fills per-token decode indices and
+    whose ``__init__`` sets the decode threshold from the reorder threshold (what
+    ``v4_noncausal`` corrects)."""
     text = source.read(SWA_BUILDER_MODULE)
     builder = find_class(ast.parse(text), SWA_BUILDER) if text else None
     build = find_method(builder, "build") if builder else None
-    return build is not None and "decode_swa_indices" in names_in(build)
+    init = find_method(builder, "__init__") if builder else None
+    return (
+        build is not None
+        and init is not None
+        and "decode_swa_indices" in names_in(build)
+        and {"decode_threshold", "reorder_batch_threshold"} <= names_in(init)
+    )
 
 
 @functools.cache

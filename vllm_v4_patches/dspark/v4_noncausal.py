@@ -1,5 +1,6 @@
-"""The DeepSeek-V4 draft block's non-causal sliding-window indices, for releases
-whose sparse sliding-window builder builds causal ones only (before 0.25).
+"""The DeepSeek-V4 draft block's sparse sliding-window metadata on releases whose
+builder predates DSpark (before 0.25): non-causal indices for the block, and a
+decode split that agrees with the sparse MLA builders under parallel drafting.
 
 A V4 draft stage attends with the sparse MLA kernels, which read, per query token,
 the cache slots it may see. A DSpark block is non-causal: every token of a request's
@@ -8,6 +9,16 @@ tokens included. vLLM 0.25+ builds these indices itself when the drafter's commo
 metadata says ``causal=False``; before 0.25 the builder ignores the flag, so the
 block would attend causally without a word. The builder's output is corrected here
 instead, for the overlay's V4 drafter only.
+
+Under parallel drafting (the dflash method the overlay's route runs as) vLLM's
+sparse MLA builders count a query of up to ``1 + 2 * num_speculative_tokens``
+tokens as a decode, while the sliding-window builder before 0.25 stops at
+``1 + num_speculative_tokens``. The attention reads its prefill/decode split from
+the sliding-window metadata and its compressed-layer indices from the sparse MLA
+metadata, so a query between the two (a short prompt, the start-up's 16-token
+warm-up) found no prefill indices (vLLM 0.24.0 on the H200, 2026-12-05). vLLM 0.25
+counts the parallel-drafting slots in the sliding-window builder too; so does
+``decode_split_for_parallel_drafting`` before it.
 """
 
 from __future__ import annotations
@@ -104,3 +115,20 @@ def noncausal_for_draft_block(wrapped: Any, instance: Any, args: tuple, kwargs: 
     if common is None or common.causal is not False:
         return metadata
     return noncausal_block_metadata(builder, metadata, common)
+
+
+def decode_split_for_parallel_drafting(
+    wrapped: Any, instance: Any, args: tuple, kwargs: dict
+) -> Any:
+    """The sparse sliding-window builder's ``__init__``: under parallel drafting its
+    decode threshold counts the drafting slots twice, as the sparse MLA builders'
+    reorder threshold does; otherwise it is left as the release set it."""
+    result = wrapped(*args, **kwargs)
+    builder, _, _ = split_receiver(instance, args)
+    spec = builder.vllm_config.speculative_config
+    if spec is not None and getattr(spec, "parallel_drafting", False):
+        drafting = 2 * (spec.num_speculative_tokens or 0)
+        builder.decode_threshold = max(
+            builder.decode_threshold, builder.reorder_batch_threshold + drafting
+        )
+    return result
