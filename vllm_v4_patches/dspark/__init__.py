@@ -27,6 +27,7 @@ CONFIG_MODULE = "vllm.config.vllm"
 SPEC_CONFIG_MODULE = "vllm.config.speculative"
 # 0.20-0.21: the target model types a tapping method (eagle3, dflash) is allowed on
 TAPS_GATE_LIST = "aux_hidden_states_supported"
+V4_MODEL_TYPE = "deepseek_v4"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 DFLASH_MODULE = "vllm.v1.spec_decode.dflash"
 REGISTRY_MODULE = "vllm.model_executor.models.registry"
@@ -277,7 +278,7 @@ def _gates_v4_taps(source: SourceReader) -> bool:
     for node in ast.walk(verify) if verify else ():
         if isinstance(node, ast.Assign) and TAPS_GATE_LIST in names_in(node):
             listed = {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)}
-            return "deepseek_v4" not in listed
+            return V4_MODEL_TYPE not in listed
     return False
 
 

@@ -18,6 +18,7 @@ from vllm_v4_patches.dspark import (
     DSPARK_ARCHITECTURE,
     DSPARK_ARCHITECTURES,
     UNSUPPORTED_ENTRY,
+    V4_MODEL_TYPE,
     V4_ROUTE_CLASS,
     V4_ROUTE_OVERLAY,
 )
@@ -51,7 +52,6 @@ def accept_dspark_as_dflash(
     return result
 
 
-V4_MODEL_TYPE = "deepseek_v4"
 # a listed type the V4 target is shown as while the gate runs: its closest relative
 TAPS_GATE_STAND_IN = "deepseek_v3"
 
