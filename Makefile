@@ -36,7 +36,7 @@ $(VENV)/.ready:
 model: $(MODEL)/model.safetensors $(DSPARK_DRAFT)/model.safetensors
 
 $(MODEL)/model.safetensors: $(VENV)/.ready tools/build_tiny_model.py
-	$(PY) tools/build_tiny_model.py $(MODEL)  # also builds $(MODEL)-eagle
+	$(PY) tools/build_tiny_model.py $(MODEL)  # also builds $(MODEL)-eagle and tiny-mixtral
 
 # a trained tiny Qwen3 target and the DSpark draft distilled from it (a few minutes)
 $(DSPARK_DRAFT)/model.safetensors: $(VENV)/.ready tools/distill_dspark.py tools/dspark_model.py

