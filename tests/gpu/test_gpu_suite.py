@@ -34,7 +34,8 @@ def outcomes(tmp_path_factory) -> dict:
     pytest.importorskip("vllm")
     version = suite.environment()["vllm"]
     scratch = tmp_path_factory.mktemp("gpu-suite")
-    return suite.run_jobs(suite.jobs_for(version), 8, time.perf_counter() + 900, scratch)
+    chosen = suite.jobs_for(version, torch.cuda.device_count())
+    return suite.run_jobs(chosen, 8, time.perf_counter() + 900, scratch)
 
 
 @pytest.mark.parametrize("name", list(suite.CHECKS))

@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent.parent
 MODELS = REPO / ".cache" / "models"
 LLAMA, QWEN3, DRAFT = (MODELS / n for n in ("tiny-llama", "tiny-qwen3", "tiny-qwen3-dspark"))
+MIXTRAL = MODELS / "tiny-mixtral"  # tools/build_tiny_model.py: experts for data parallelism
 DFLASH_DRAFT = MODELS / "tiny-qwen3-dflash"  # the DSpark draft as a DFlash draft, made here
 # the tiny Llama served by an out-of-tree class with nothing compiled, made here
 PLAIN_LLAMA = MODELS / "tiny-llama-plain"
@@ -46,6 +47,8 @@ TINY_V4 = MODELS / "tiny-v4"
 # V4 engines starting at once: each builds its kernels on the machine's CPUs at
 # start, and more at once start none in a call's time (docs/testing.md, GPU harness)
 V4_AT_ONCE = 3
+# what --part all runs; the V4 parts and the two-GPU part run only when named
+ALL_PARTS = ("core", "extra", "perf")
 # the staged environment's fixes for DeepSeek-V4 jobs (its sitecustomize says which)
 SITE_FIXES = REPO / "tools" / "gpu" / "site_fixes"
 V4_LAYERS, V4_DRAFT_STAGES = 3, 3  # tools/build_tiny_v4.py's default depth, its stages
@@ -103,6 +106,7 @@ class Job:
     timeout: float = 480
     alone: bool = False  # a timing job: runs after the others, with the GPU to itself
     plugins: tuple[str, ...] = ()  # folders put on the job's PYTHONPATH (vLLM plugins)
+    gpus: int = 1  # devices the job needs; a machine with fewer does not run it
 
 
 @dataclass
@@ -118,7 +122,32 @@ def jobs() -> list[Job]:
     dspark = ["--dspark", str(DRAFT), "--spec-tokens", "4"]
     compiled_qwen3 = [GENERATE, str(QWEN3), "--no-eager"]
     qwen3 = [*compiled_qwen3, *TOKENS, *KV]
-    return [*v4_jobs(), *dense_jobs(dspark, qwen3, compiled_qwen3)]
+    return [*v4_jobs(), *dense_jobs(dspark, qwen3, compiled_qwen3), *data_parallel_jobs()]
+
+
+# NVLink multicast stays off on the lent multi-GPU machines
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}
+
+
+def data_parallel_jobs() -> list[Job]:
+    """``dp_dummy`` at data parallel size 2 on two GPUs (a call of its own, ``--part
+    dp2``): the tiny Mixtral's eight prompts one at a time through the OpenAI server,
+    so one rank idles on dummy batches while its peer decodes, each dummy batch
+    recorded in the worker (``tools/data_parallel_plugin``). With CUDA graphs the
+    idle rank's FULL decode graph builds attention metadata itself; eagerly it builds
+    none, so the eager runs ask for it (``--force-attention``)."""
+    serve = [SERVE, str(MIXTRAL), "--one-at-a-time", "--max-tokens", "24", *KV]
+    two = [*serve, "--data-parallel-size", "2", "--probe-dummy-batches"]
+    eager_two = [*two, "--eager", "--force-attention"]
+    env = {**V1, **NCCL_ENV}
+    return [
+        Job("dp1-mixtral", serve, False, V1, part="dp2"),
+        Job("dp1-mixtral-eager", [*serve, "--eager"], False, V1, part="dp2"),
+        Job("dp2-stock", two, False, env, part="dp2", gpus=2),
+        Job("dp2-overlay", two, True, env, part="dp2", gpus=2),
+        Job("dp2-stock-eager", eager_two, False, env, part="dp2", gpus=2),
+        Job("dp2-overlay-eager", eager_two, True, env, part="dp2", gpus=2),
+    ]
 
 
 # the tiny V4's LM head has this many non-zero rows: wider greedy margins
@@ -1213,6 +1242,35 @@ def status_outcome(job: str, patch: str, wanted: str, detail_has: str = "") -> C
     return check
 
 
+def same_answers(reference: str, other: str) -> Check:
+    """``serve_check.py --one-at-a-time``'s greedy answers, token for token."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        all_ran(outcomes, reference, other)
+        ref, got = result_of(outcomes, reference)["answers"], result_of(outcomes, other)["answers"]
+        equal = sum(a["tokens"] == b["tokens"] for a, b in zip(ref, got, strict=True))
+        return equal == len(ref), f"{equal}/{len(ref)} answers equal"
+
+    return check
+
+
+def idle_rank_dummies(job: str, context: int) -> Check:
+    """Both ranks idled on dummy batches, and every attention build of those had
+    ``context`` tokens before each dummy request's query."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        probe = result_of(outcomes, job)["dummy_batches"]
+        calls, builds = probe["calls_by_rank"], probe["builds"]
+        ok = len(calls) == 2 and builds > 0 and probe["contexts_seen"] == [str([context])]
+        figure = f"dummy batches by rank {calls}; {builds} builds"
+        return (
+            ok,
+            f"{figure}, {probe['builds_as_decode']} as decodes, contexts {probe['contexts_seen']}",
+        )
+
+    return check
+
+
 def dummy_batch_class(job: str, want_decode: bool) -> Check:
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
         builds = result_of(outcomes, job)["builds"]
@@ -1452,6 +1510,30 @@ CHECKS: dict[str, Check] = {
     "async_sync: async scheduling really on": async_on("eagle-async-overlay"),
     "dp_dummy: stock dummy batch classed as prefill": dummy_batch_class("dp-dummy-stock", False),
     "dp_dummy: patched dummy batch classed as decode": dummy_batch_class("dp-dummy-overlay", True),
+    "dp_dummy/2 GPUs: stock idle-rank dummies have no context (graphs)": idle_rank_dummies(
+        "dp2-stock", 0
+    ),
+    "dp_dummy/2 GPUs: patched idle-rank dummies have a context (graphs)": idle_rank_dummies(
+        "dp2-overlay", 1
+    ),
+    "dp_dummy/2 GPUs: stock idle-rank dummies have no context (eager)": idle_rank_dummies(
+        "dp2-stock-eager", 0
+    ),
+    "dp_dummy/2 GPUs: patched idle-rank dummies have a context (eager)": idle_rank_dummies(
+        "dp2-overlay-eager", 1
+    ),
+    "dp_dummy/2 GPUs: stock DP 2 greedy equals DP 1 (graphs)": same_answers(
+        "dp1-mixtral", "dp2-stock"
+    ),
+    "dp_dummy/2 GPUs: patched DP 2 greedy equals DP 1 (graphs)": same_answers(
+        "dp1-mixtral", "dp2-overlay"
+    ),
+    "dp_dummy/2 GPUs: stock DP 2 greedy equals DP 1 (eager)": same_answers(
+        "dp1-mixtral-eager", "dp2-stock-eager"
+    ),
+    "dp_dummy/2 GPUs: patched DP 2 greedy equals DP 1 (eager)": same_answers(
+        "dp1-mixtral-eager", "dp2-overlay-eager"
+    ),
     "cudagraph (stock): a piecewise mode kept with nothing compiled": cudagraph_mode(
         "plain-llama-stock", True
     ),
@@ -1683,6 +1765,7 @@ def environment() -> dict:
         "vllm": dist_version("vllm"),
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
         "driver_cuda": torch.version.cuda,
     }
 
@@ -1712,11 +1795,13 @@ def write_plain_variant(source: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=1))
 
 
-def jobs_for(version: str) -> list[Job]:
+def jobs_for(version: str, gpus: int = 1) -> list[Job]:
     from packaging.version import Version
 
     return [
-        j for j in jobs() if Version(j.min_version) <= Version(version) < Version(j.below_version)
+        j
+        for j in jobs()
+        if Version(j.min_version) <= Version(version) < Version(j.below_version) and j.gpus <= gpus
     ]
 
 
@@ -1727,7 +1812,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run only these jobs")
     parser.add_argument(
         "--part",
-        choices=["core", "extra", "perf", "v4", "v4-compiled", "v4-matrix", "all"],
+        choices=["core", "extra", "perf", "v4", "v4-compiled", "v4-matrix", "dp2", "all"],
         default="all",
     )
     parser.add_argument(
@@ -1749,9 +1834,9 @@ def main() -> None:
     version = facts["vllm"]
     chosen = [
         j
-        for j in jobs_for(version)
+        for j in jobs_for(version, facts["gpus"])
         if (not args.only or j.name in args.only)
-        and (args.part == j.part or (args.part == "all" and not j.part.startswith("v4")))
+        and (args.part == j.part or (args.part == "all" and j.part in ALL_PARTS))
     ]
     if args.job_timeout:
         chosen = [replace(j, timeout=max(j.timeout, args.job_timeout)) for j in chosen]
@@ -1761,6 +1846,11 @@ def main() -> None:
         subprocess.run(build, check=True)
     if any(str(PLAIN_LLAMA) in job.args for job in chosen):
         write_plain_variant(LLAMA, PLAIN_LLAMA)
+    if any(str(MIXTRAL) in job.args for job in chosen):
+        sys.path.insert(0, str(REPO / "tools"))
+        from build_tiny_model import build_mixtral
+
+        build_mixtral(str(LLAMA), str(MIXTRAL))
     if any(str(DFLASH_DRAFT) in job.args for job in chosen):
         sys.path.insert(0, str(REPO / "tools"))
         from dspark_model import write_dflash_variant

@@ -1,0 +1,67 @@
+"""The GPU suite's two-GPU ``dp_dummy`` checks (``idle_rank_dummies``,
+``same_answers``) on results written here in ``tools/serve_check.py``'s shape (no
+GPU needed): a verdict passes only on what it names and fails otherwise."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "gpu"))
+
+import suite  # noqa: E402
+
+CONTEXT = "dp_dummy/2 GPUs: patched idle-rank dummies have a context (graphs)"
+NO_CONTEXT = "dp_dummy/2 GPUs: stock idle-rank dummies have no context (graphs)"
+EQUAL = "dp_dummy/2 GPUs: patched DP 2 greedy equals DP 1 (graphs)"
+
+
+def probe(contexts: list[str], calls: dict | None = None, builds: int = 4) -> dict:
+    calls = {"0": 2, "1": 2} if calls is None else calls
+    summary = {"calls_by_rank": calls, "builds": builds, "builds_as_decode": builds}
+    return {"dummy_batches": {**summary, "contexts_seen": contexts}}
+
+
+def outcome(result: dict | None) -> suite.Outcome:
+    return suite.Outcome(result, [], "", 1.0, 0 if result is not None else 1)
+
+
+def test_the_context_checks_read_the_builds_they_name():
+    assert suite.CHECKS[CONTEXT]({"dp2-overlay": outcome(probe(["[1]"]))})[0]
+    assert suite.CHECKS[NO_CONTEXT]({"dp2-stock": outcome(probe(["[0]"]))})[0]
+    assert not suite.CHECKS[CONTEXT]({"dp2-overlay": outcome(probe(["[0]"]))})[0]
+    assert not suite.CHECKS[CONTEXT]({"dp2-overlay": outcome(probe(["[0]", "[1]"]))})[0]
+
+
+def test_a_run_where_a_rank_never_idled_or_nothing_was_built_fails():
+    one_rank = probe(["[1]"], calls={"1": 5})
+    assert not suite.CHECKS[CONTEXT]({"dp2-overlay": outcome(one_rank)})[0]
+    assert not suite.CHECKS[CONTEXT]({"dp2-overlay": outcome(probe([], builds=0))})[0]
+
+
+def test_answers_compare_token_for_token():
+    answers = [{"tokens": ["a", "b"], "gaps": [1.0, 1.0]}, {"tokens": ["c"], "gaps": [1.0]}]
+    parted = [answers[0], {"tokens": ["d"], "gaps": [1.0]}]
+    same = {
+        "dp1-mixtral": outcome({"answers": answers}),
+        "dp2-overlay": outcome({"answers": answers}),
+    }
+    assert suite.CHECKS[EQUAL](same) == (True, "2/2 answers equal")
+    other = {**same, "dp2-overlay": outcome({"answers": parted})}
+    assert suite.CHECKS[EQUAL](other) == (False, "1/2 answers equal")
+
+
+def test_a_job_not_run_is_not_answered_and_a_failed_one_is_missing():
+    with pytest.raises(suite.NotRun):
+        suite.CHECKS[EQUAL]({"dp2-overlay": outcome({"answers": []})})
+    with pytest.raises(suite.Missing):
+        suite.CHECKS[CONTEXT]({"dp2-overlay": outcome(None)})
+
+
+def test_two_gpu_jobs_are_left_out_on_one_gpu():
+    names = {job.name for job in suite.jobs_for("0.26.0", gpus=1)}
+    assert "dp1-mixtral" in names and "dp2-overlay" not in names
+    assert "dp2-overlay" in {job.name for job in suite.jobs_for("0.26.0", gpus=2)}
