@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parent.parent.parent
 MODELS = REPO / ".cache" / "models"
 LLAMA, QWEN3, DRAFT = (MODELS / n for n in ("tiny-llama", "tiny-qwen3", "tiny-qwen3-dspark"))
 MIXTRAL = MODELS / "tiny-mixtral"  # tools/build_tiny_model.py: experts for data parallelism
+GATED_DRAFT = MODELS / "tiny-qwen3-dspark-gated"  # the draft with a gated Markov head, made here
 DFLASH_DRAFT = MODELS / "tiny-qwen3-dflash"  # the DSpark draft as a DFlash draft, made here
 # the tiny Llama served by an out-of-tree class with nothing compiled, made here
 PLAIN_LLAMA = MODELS / "tiny-llama-plain"
@@ -47,7 +48,7 @@ TINY_V4 = MODELS / "tiny-v4"
 # V4 engines starting at once: each builds its kernels on the machine's CPUs at
 # start, and more at once start none in a call's time (docs/testing.md, GPU harness)
 V4_AT_ONCE = 3
-# what --part all runs; the V4 parts and the two-GPU part run only when named
+# what --part all runs; the V4 parts and the two-GPU parts run only when named
 ALL_PARTS = ("core", "extra", "perf")
 # the staged environment's fixes for DeepSeek-V4 jobs (its sitecustomize says which)
 SITE_FIXES = REPO / "tools" / "gpu" / "site_fixes"
@@ -122,11 +123,40 @@ def jobs() -> list[Job]:
     dspark = ["--dspark", str(DRAFT), "--spec-tokens", "4"]
     compiled_qwen3 = [GENERATE, str(QWEN3), "--no-eager"]
     qwen3 = [*compiled_qwen3, *TOKENS, *KV]
-    return [*v4_jobs(), *dense_jobs(dspark, qwen3, compiled_qwen3), *data_parallel_jobs()]
+    return [
+        *v4_jobs(),
+        *dense_jobs(dspark, qwen3, compiled_qwen3),
+        *data_parallel_jobs(),
+        *tensor_parallel_jobs(dspark, qwen3),
+    ]
 
 
 # NVLink multicast stays off on the lent multi-GPU machines
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}
+
+
+def tensor_parallel_jobs(dspark: list[str], qwen3: list[str]) -> list[Job]:
+    """DSpark at tensor parallel size 2 on two GPUs (``--part tp2``): the tiny Qwen3
+    pair through the overlay's V1 route, compiled, against the same at size 1.
+    The vanilla Markov head is vLLM's own draft class where the release has one
+    (its head whole on each rank); the gated head is the overlay's class, its bias
+    weight split over the vocabulary. Sampled requests: T = 1, a seed per request,
+    probabilistic drafts."""
+    two = ["--tensor-parallel-size", "2"]
+    gated = ["--dspark", str(GATED_DRAFT), "--spec-tokens", "4"]
+    sampled = ["--temperature", "1.0", "--draft-sample-method", "probabilistic", "--repeat", "4"]
+    env = {**V1, **NCCL_ENV}
+    runs = {
+        "tp1-nospec": ([*qwen3], False),
+        "tp1-dspark": ([*qwen3, *dspark], True),
+        "tp1-dspark-gated": ([*qwen3, *gated], True),
+        "tp1-dspark-sampled": ([*qwen3, *dspark, *sampled], True),
+    }
+    jobs = [Job(name, args, overlay, V1, part="tp2") for name, (args, overlay) in runs.items()]
+    for name, (args, overlay) in list(runs.items())[1:]:
+        two_name = name.replace("tp1", "tp2")
+        jobs.append(Job(two_name, [*args, *two], overlay, env, part="tp2", gpus=2))
+    return jobs
 
 
 def data_parallel_jobs() -> list[Job]:
@@ -1242,6 +1272,23 @@ def status_outcome(job: str, patch: str, wanted: str, detail_has: str = "") -> C
     return check
 
 
+def ranks_drafted(job: str, split: bool | None) -> Check:
+    """Both tensor-parallel ranks drafted; their Markov bias weight split over the
+    vocabulary (``split``), whole on each rank (not ``split``), or either (None)."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        ranks = result_of(outcomes, job).get("dspark_drafter_ranks") or []
+        sizes = [rank.get("markov_bias_tp_size") or 1 for rank in ranks]
+        steps = [rank.get("draft_steps") for rank in ranks]
+        ok = len(ranks) == 2 and all(steps)
+        if split is not None:
+            ok = ok and all((size == 2) == split for size in sizes)
+        fused = [rank.get("fused_draft_steps") for rank in ranks]
+        return ok, f"draft steps by rank {steps}, bias split {sizes}, fused steps {fused}"
+
+    return check
+
+
 def same_answers(reference: str, other: str) -> Check:
     """``serve_check.py --one-at-a-time``'s greedy answers, token for token."""
 
@@ -1510,6 +1557,23 @@ CHECKS: dict[str, Check] = {
     "async_sync: async scheduling really on": async_on("eagle-async-overlay"),
     "dp_dummy: stock dummy batch classed as prefill": dummy_batch_class("dp-dummy-stock", False),
     "dp_dummy: patched dummy batch classed as decode": dummy_batch_class("dp-dummy-overlay", True),
+    "dspark/2 GPUs: TP 2 greedy equals TP 1 without speculation": same_tokens(
+        "tp1-nospec", "tp2-dspark"
+    ),
+    "dspark/2 GPUs: TP 2 gated head greedy equals TP 1 without speculation": same_tokens(
+        "tp1-nospec", "tp2-dspark-gated"
+    ),
+    "dspark/2 GPUs: TP 2 accepts as TP 1 does": acceptance_like("tp1-dspark", "tp2-dspark"),
+    "dspark/2 GPUs: TP 2 gated head accepts as TP 1 does": acceptance_like(
+        "tp1-dspark-gated", "tp2-dspark-gated"
+    ),
+    "dspark/2 GPUs: TP 2 probabilistic drafts accept as TP 1's": acceptance_like(
+        "tp1-dspark-sampled", "tp2-dspark-sampled"
+    ),
+    "dspark/2 GPUs: both ranks draft": ranks_drafted("tp2-dspark", None),
+    "dspark/2 GPUs: the gated head's bias is split over both ranks": ranks_drafted(
+        "tp2-dspark-gated", True
+    ),
     "dp_dummy/2 GPUs: stock idle-rank dummies have no context (graphs)": idle_rank_dummies(
         "dp2-stock", 0
     ),
@@ -1812,7 +1876,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run only these jobs")
     parser.add_argument(
         "--part",
-        choices=["core", "extra", "perf", "v4", "v4-compiled", "v4-matrix", "dp2", "all"],
+        choices=["core", "extra", "perf", "v4", "v4-compiled", "v4-matrix", "dp2", "tp2", "all"],
         default="all",
     )
     parser.add_argument(
@@ -1856,6 +1920,11 @@ def main() -> None:
         from dspark_model import write_dflash_variant
 
         write_dflash_variant(DRAFT, DFLASH_DRAFT)
+    if any(str(GATED_DRAFT) in job.args for job in chosen):
+        sys.path.insert(0, str(REPO / "tools"))
+        from dspark_model import write_markov_variant
+
+        write_markov_variant(DRAFT, GATED_DRAFT, "gated")
     scratch = Path(tempfile.mkdtemp(prefix="gpu-suite-"))
     at_once = min(args.jobs, V4_AT_ONCE) if args.part.startswith("v4") else args.jobs
     outcomes = run_jobs(chosen, at_once, started + args.deadline, scratch)

@@ -1,6 +1,7 @@
-"""The GPU suite's two-GPU ``dp_dummy`` checks (``idle_rank_dummies``,
-``same_answers``) on results written here in ``tools/serve_check.py``'s shape (no
-GPU needed): a verdict passes only on what it names and fails otherwise."""
+"""The GPU suite's two-GPU checks on results written here (no GPU needed): ``dp_dummy``'s
+(``idle_rank_dummies``, ``same_answers``, in ``tools/serve_check.py``'s shape) and
+DSpark's at tensor parallel size 2 (``ranks_drafted``, in ``tools/generate.py``'s).
+A verdict passes only on what it names and fails otherwise."""
 
 from __future__ import annotations
 
@@ -63,5 +64,24 @@ def test_a_job_not_run_is_not_answered_and_a_failed_one_is_missing():
 
 def test_two_gpu_jobs_are_left_out_on_one_gpu():
     names = {job.name for job in suite.jobs_for("0.26.0", gpus=1)}
-    assert "dp1-mixtral" in names and "dp2-overlay" not in names
-    assert "dp2-overlay" in {job.name for job in suite.jobs_for("0.26.0", gpus=2)}
+    assert {"dp1-mixtral", "tp1-dspark"} <= names
+    assert not {"dp2-overlay", "tp2-dspark"} & names
+    assert {"dp2-overlay", "tp2-dspark"} <= {job.name for job in suite.jobs_for("0.26.0", gpus=2)}
+
+
+SPLIT = "dspark/2 GPUs: the gated head's bias is split over both ranks"
+BOTH = "dspark/2 GPUs: both ranks draft"
+
+
+def drafters(*ranks: tuple[int | None, int]) -> suite.Outcome:
+    stats = [{"markov_bias_tp_size": size, "draft_steps": steps} for size, steps in ranks]
+    return outcome({"dspark_drafter_ranks": stats})
+
+
+def test_both_ranks_must_draft_and_split_the_head_where_asked():
+    assert suite.CHECKS[SPLIT]({"tp2-dspark-gated": drafters((2, 9), (2, 9))})[0]
+    assert not suite.CHECKS[SPLIT]({"tp2-dspark-gated": drafters((None, 9), (None, 9))})[0]
+    assert not suite.CHECKS[SPLIT]({"tp2-dspark-gated": drafters((2, 9), (2, 0))})[0]
+    assert not suite.CHECKS[SPLIT]({"tp2-dspark-gated": drafters((2, 9))})[0]
+    assert suite.CHECKS[BOTH]({"tp2-dspark": drafters((None, 9), (None, 9))})[0]
+    assert not suite.CHECKS[BOTH]({"tp2-dspark": outcome({"dspark_drafter_ranks": None})})[0]
