@@ -1307,12 +1307,12 @@ def idle_rank_dummies(job: str, context: int) -> Check:
 
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
         probe = result_of(outcomes, job)["dummy_batches"]
-        calls, builds = probe["calls_by_rank"], probe["builds"]
-        ok = len(calls) == 2 and builds > 0 and probe["contexts_seen"] == [str([context])]
-        figure = f"dummy batches by rank {calls}; {builds} builds"
+        calls, builds, contexts = probe["calls_by_rank"], probe["builds"], probe["contexts_seen"]
+        ok = len(calls) == 2 and builds > 0 and contexts == [str([context])]
+        decodes = probe["builds_as_decode"]
         return (
             ok,
-            f"{figure}, {probe['builds_as_decode']} as decodes, contexts {probe['contexts_seen']}",
+            f"dummies by rank {calls}; {builds} builds, {decodes} decodes, contexts {contexts}",
         )
 
     return check
