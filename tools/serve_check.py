@@ -74,6 +74,10 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
         command += ["--data-parallel-size", str(args.data_parallel_size)]
     if args.eager:
         command += ["--enforce-eager"]
+    if args.expert_parallel:
+        command += ["--enable-expert-parallel"]
+    if args.kv_cache_dtype:
+        command += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.dspark:
         spec = {"method": "dspark", "model": args.dspark, "num_speculative_tokens": 4}
         command += ["--speculative-config", json.dumps(spec)]
@@ -127,11 +131,17 @@ def exercise(client, max_tokens: int) -> dict:  # noqa: ANN001
 
 
 def one_at_a_time(client, max_tokens: int) -> list[dict]:  # noqa: ANN001
-    """Each prompt alone, greedy: its tokens and each pick's top-two logprob gap."""
+    """Each prompt alone, greedy, ``max_tokens`` long whatever the end-of-sequence
+    token: its tokens and each pick's top-two logprob gap."""
     answers = []
     for prompt in PROMPTS:
         reply = client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0.0, logprobs=2
+            model="tiny",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            logprobs=2,
+            extra_body={"ignore_eos": True},
         )
         logprobs = reply.choices[0].logprobs
         gaps = []
@@ -259,6 +269,8 @@ def main() -> None:
     )
     parser.add_argument("--data-parallel-size", type=int, default=1)
     parser.add_argument("--eager", action="store_true", help="--enforce-eager")
+    parser.add_argument("--expert-parallel", action="store_true", help="--enable-expert-parallel")
+    parser.add_argument("--kv-cache-dtype", help="e.g. fp8 (DeepSeek-V4's layout takes no other)")
     parser.add_argument(
         "--one-at-a-time", action="store_true", help="the prompts one after another instead"
     )

@@ -55,6 +55,20 @@ def test_answers_compare_token_for_token():
     assert suite.CHECKS[EQUAL](other) == (False, "1/2 answers equal")
 
 
+def test_v4_answers_may_part_at_a_near_tie_only():
+    check = suite.CHECKS["dp_dummy/2 GPUs: patched V4 DP 2 greedy equals DP 1 up to near-ties"]
+    reference = [{"tokens": ["a", "b", "c"], "gaps": [2.0, 0.05, 2.0]}]
+    at_tie = [{"tokens": ["a", "x", "y"], "gaps": [2.0, 2.0, 2.0]}]
+    at_wide_gap = [{"tokens": ["x", "b", "c"], "gaps": [2.0, 2.0, 2.0]}]
+
+    def verdict(answers: list[dict]) -> bool:
+        runs = {"dp1-v4": outcome({"answers": reference})}
+        return check({**runs, "dp2-v4-overlay": outcome({"answers": answers})})[0]
+
+    assert verdict(reference) and verdict(at_tie)
+    assert not verdict(at_wide_gap)
+
+
 def test_a_job_not_run_is_not_answered_and_a_failed_one_is_missing():
     with pytest.raises(suite.NotRun):
         suite.CHECKS[EQUAL]({"dp2-overlay": outcome({"answers": []})})
