@@ -100,16 +100,11 @@ def build_eagle_draft(target_dir: str, out_dir: str) -> str:
     """A 1-layer Llama EAGLE draft for the tiny target (random weights, seed 1)."""
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         return out_dir
-    import shutil
-
     import torch
+    from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    partial = out_dir + ".partial"
-    os.makedirs(partial, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(os.path.join(target_dir, name), partial)
-    from safetensors.torch import save_file
+    partial = _partial_with_tokenizer(target_dir, out_dir)
 
     config = dict(LLAMA_CONFIG, num_hidden_layers=1)
     torch.manual_seed(1)
@@ -139,15 +134,10 @@ def build_mixtral(target_dir: str, out_dir: str) -> str:
     collectives across data-parallel ranks."""
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         return out_dir
-    import shutil
-
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    partial = out_dir + ".partial"
-    os.makedirs(partial, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(os.path.join(target_dir, name), partial)
+    partial = _partial_with_tokenizer(target_dir, out_dir)
     config = {
         **LLAMA_CONFIG,
         **MIXTRAL_EXPERTS,
@@ -160,6 +150,18 @@ def build_mixtral(target_dir: str, out_dir: str) -> str:
     _write_json(partial, "config.json", config)
     os.replace(partial, out_dir)
     return out_dir
+
+
+def _partial_with_tokenizer(target_dir: str, out_dir: str) -> str:
+    """``out_dir``'s partial folder, holding the tiny target's tokenizer: a model built
+    there is moved into place whole (``os.replace``) once written."""
+    import shutil
+
+    partial = out_dir + ".partial"
+    os.makedirs(partial, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(os.path.join(target_dir, name), partial)
+    return partial
 
 
 def _write_json(out_dir: str, name: str, data: dict) -> None:
