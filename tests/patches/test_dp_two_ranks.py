@@ -12,7 +12,7 @@ The CPU platform has no CUDA graphs, and vLLM builds attention metadata for a du
 batch only under FULL graphs; so the runs that look at what the builders receive
 ask ``_dummy_run`` for it (``force_attention``, what FULL decode graphs do on a GPU).
 That request is the one stand-in here; engine, server, collectives and builders are
-real. Two GPUs are the two-GPU issue's, not run here.
+real. Two GPUs are the GPU suite's (``--part dp2`` and ``v4-dp2``).
 """
 
 from __future__ import annotations
