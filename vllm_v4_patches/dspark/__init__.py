@@ -148,7 +148,8 @@ RECORD = PatchRecord(
         "rows written by its own fused K/V insert; registered under the name vLLM's "
         "dflash config gives the checkpoint; where 0.20-0.21 check a tapping method's "
         "target against a list of model types, a V4 target is shown as deepseek_v3 "
-        "for that check alone), the target's taps "
+        "for that check alone, and hidden from it when VllmConfig runs it again on "
+        "validating its fields), the target's taps "
         "recorded per tapped layer through EAGLE-3 members added to its class "
         "(dspark.v4_taps), and the draft block's non-causal sliding-window slots "
         "written over the builder's causal ones, and its decode split counting the "
@@ -172,6 +173,10 @@ RECORD = PatchRecord(
     ),
     targets=(
         Target(SPEC_CONFIG_MODULE, "SpeculativeConfig.__init__", versions="<0.25"),
+        *(
+            Target(CONFIG_MODULE, f"VllmConfig.{name}", versions="0.20-0.21")
+            for name in ("__init__", "__post_init__")
+        ),
         Target(REGISTRY_MODULE, f"ModelRegistry[{DSPARK_ARCHITECTURE}]", versions="<0.25"),
         Target(REGISTRY_MODULE, f"ModelRegistry[{OVERLAY_ARCHITECTURE}]"),
         Target(CONFIG_MODULE, f"VllmConfig.{RUNNER_CHOICE}", versions=">=0.22"),
@@ -381,6 +386,8 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
         )
         shown = " (a V4 target passes the tap-model list as deepseek_v3)" if gate else ""
         done.append(f"{how} SpeculativeConfig.__init__{shown}")
+        if gate:
+            done.append(_apply_taps_gate_revalidation(patcher))
     how = patcher.register_when_imported(
         REGISTRY_MODULE,
         f"ModelRegistry[{', '.join(architectures)}]",
@@ -471,12 +478,32 @@ def _apply_v4_overlay_route(patcher: Patcher, model_module: str) -> str:
     )
 
 
+def _apply_taps_gate_revalidation(patcher: Patcher) -> str:
+    """0.20-0.21: VllmConfig runs the speculative config's list check again while it
+    validates its fields; the V4 target is hidden for that alone."""
+    from vllm_v4_patches.dspark.config_hooks import (
+        hide_v4_target_from_revalidation,
+        target_back_before_post_init,
+    )
+
+    hooks = {
+        "__init__": hide_v4_target_from_revalidation,
+        "__post_init__": target_back_before_post_init,
+    }
+    for method, hook in hooks.items():
+        how = patcher.wrap_when_imported(CONFIG_MODULE, "VllmConfig", method, hook)
+    return (
+        f"{how} VllmConfig.__init__ and __post_init__ (a V4 target hidden from the "
+        "tap-model list while VllmConfig validates its fields)"
+    )
+
+
 V4_ROUTE_SHOWN = {
     V4_ROUTE_CLASS: "DeepSeek-V4's own stages: drafted on V1 through vLLM's V4 draft class "
     "where VLLM_V4_DSPARK_V4_ON_V1=on, else refused in one line",
     V4_ROUTE_OVERLAY: "DeepSeek-V4's own stages: drafted on V1 through the overlay's V4 "
-    "draft class where VLLM_V4_DSPARK_V4_ON_V1=on (not yet served on a GPU), else refused "
-    "in one line",
+    "draft class where VLLM_V4_DSPARK_V4_ON_V1=on (served on a GPU on 0.20.2 only so far), "
+    "else refused in one line",
     V4_ROUTE_NO_CLASS: "DeepSeek-V4's own stages: refused on V1 (no usable V4 draft class)",
     V4_ROUTE_NO_V4: "no DeepSeek-V4 in this vLLM",
 }

@@ -62,10 +62,10 @@ def taps_gate_passed(target_model_config: Any) -> Iterator[None]:
     ``TAPS_GATE_STAND_IN`` as its model type: 0.20-0.21 check the type against a
     fixed list, and nothing else in the speculative config reads the target's type
     for dflash. Restored however the block ends."""
-    text_config = getattr(target_model_config, "hf_text_config", None)
-    if getattr(text_config, "model_type", None) != V4_MODEL_TYPE:
+    if not _is_v4_target(target_model_config):
         yield
         return
+    text_config = target_model_config.hf_text_config
     own = text_config.__dict__.get("model_type", _ABSENT)
     text_config.model_type = TAPS_GATE_STAND_IN
     try:
@@ -78,6 +78,50 @@ def taps_gate_passed(target_model_config: Any) -> Iterator[None]:
 
 
 _ABSENT = object()
+
+
+def _is_v4_target(target_model_config: Any) -> bool:
+    text_config = getattr(target_model_config, "hf_text_config", None)
+    return getattr(text_config, "model_type", None) == V4_MODEL_TYPE
+
+
+# dspark speculative configs whose V4 target is hidden while VllmConfig validates its
+# fields, by id (a pydantic config is unhashable), with the target to give back
+_HIDDEN_TARGETS: dict[int, Any] = {}
+
+
+def hide_v4_target_from_revalidation(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``VllmConfig.__init__`` (0.20-0.21, where the probe finds the tap-model list):
+    pydantic runs a nested config's after-validators again when VllmConfig validates
+    its fields, so SpeculativeConfig's list check meets the V4 target a second time,
+    outside ``accept_dspark_as_dflash`` (0.20.2 on the H200 refused it so). While the
+    fields are validated, a dspark config's V4 target is hidden: in that validator only
+    the list check reads it. ``VllmConfig.__post_init__`` gets it back before it runs,
+    and it is back however the call ends."""
+    speculative_config = kwargs.get("speculative_config")
+    target = getattr(speculative_config, "target_model_config", None)
+    if not (is_dspark(speculative_config) and _is_v4_target(target)):
+        return wrapped(*args, **kwargs)
+    _HIDDEN_TARGETS[id(speculative_config)] = target
+    speculative_config.target_model_config = None
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _give_target_back(speculative_config)
+
+
+def target_back_before_post_init(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``VllmConfig.__post_init__``: the hidden target is back before vLLM's own
+    checks and derivations read the speculative config."""
+    config, _, _ = split_receiver(instance, args)
+    _give_target_back(getattr(config, "speculative_config", None))
+    return wrapped(*args, **kwargs)
+
+
+def _give_target_back(speculative_config: Any) -> None:
+    target = _HIDDEN_TARGETS.pop(id(speculative_config), None)
+    if target is not None:
+        speculative_config.target_model_config = target
 
 
 def _check_stand_in_request(kwargs: dict) -> Any:
