@@ -22,7 +22,11 @@ and per slot whether the served draft is the greedy pick of the reference's vani
 Markov walk (teacher-forced on the served drafts), over the reference's base logits
 and over the served ones.
 Given a run's greedy sequences, it reports the target's teacher-forced agreement:
-each served pick against this reference's logits at that step.
+each served pick against this reference's logits at that step. ``--score-jobs`` does
+the same for other engine jobs of the run (``tools/generate.py`` answers on the same
+prompts, first ones first, such as stock's without speculation), over as many
+answer tokens as the recorded sequences have: whether a release's target itself
+computes what the reference does, with or without the overlay.
 
 Needs torch, transformers (with DeepSeek-V4) and safetensors.
 """
@@ -423,10 +427,14 @@ def main() -> None:
     parser.add_argument("--job", default="v4-dspark-overlay-v1-exact-served")
     parser.add_argument("--work", type=Path, default=Path(".cache") / "v4-reference")
     parser.add_argument("--variant-blocks", type=int, help="blocks the wrong variants run on")
+    parser.add_argument(
+        "--score-jobs", nargs="*", default=[], help="engine jobs whose answers to score too"
+    )
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     reference = Reference(args.checkpoint, args.work)
-    result = json.loads(args.run.read_text())["results"][args.job]
+    results = json.loads(args.run.read_text())["results"]
+    result = results[args.job]
     prompt_lengths = [
         next(len(r["prompt"]) for r in result["records"] if s[: len(r["prompt"])] == r["prompt"])
         for s in result["sequences"]
@@ -435,7 +443,22 @@ def main() -> None:
         "target": compare_target(reference, result["sequences"], prompt_lengths),
         "drafts": compare_drafts(reference, result, args.variant_blocks),
     }
+    for job in args.score_jobs:
+        answers = continued(result["sequences"], prompt_lengths, results[job]["token_ids"])
+        report[f"target ({job})"] = compare_target(reference, answers, prompt_lengths)
     print(json.dumps(report, indent=1))
+
+
+def continued(
+    sequences: list[list[int]], prompt_lengths: list[int], answers: list[list[int]]
+) -> list[list[int]]:
+    """Each recorded sequence's prompt followed by another job's answer to that prompt
+    (the job answered the same prompts in the same order, maybe more of them), cut to
+    the recorded sequence's length."""
+    return [
+        sequence[:start] + answer[: len(sequence) - start]
+        for sequence, start, answer in zip(sequences, prompt_lengths, answers, strict=False)
+    ]
 
 
 if __name__ == "__main__":
