@@ -223,16 +223,21 @@ def load_gpu_results(path: Path = GPU_RESULTS_FILE) -> dict:
 
 
 def gpu_verdict(version: str, gpu_results: dict) -> str:
-    """``H200: 22/23 (2026-12-01)`` for a release the GPU suite ran, else ``-``."""
+    """``H200: 22/23 (2026-12-01)`` for a release the GPU suite ran, else ``-``; the
+    checks counted per card where a release's latest verdicts came from several."""
     entry = gpu_results["versions"].get(version)
     if not entry or not entry["checks"]:
         return "-"
     checks = entry["checks"].values()
-    passed = sum(check["passed"] for check in checks)
+    per_card: dict[str, list[bool]] = {}
+    for check in checks:
+        per_card.setdefault(check["gpu"].removeprefix("NVIDIA "), []).append(check["passed"])
+    counted = ", ".join(
+        f"{card}: {sum(verdicts)}/{len(verdicts)}" for card, verdicts in sorted(per_card.items())
+    )
     upstream = sum(bool(check.get("upstream")) for check in checks)
-    gpu = entry["gpu"].removeprefix("NVIDIA ")
     named = f", {upstream} failing in stock vLLM too" if upstream else ""
-    return f"{gpu}: {passed}/{len(checks)}{named} ({max(check['date'] for check in checks)})"
+    return f"{counted}{named} ({max(check['date'] for check in checks)})"
 
 
 def markdown_table(matrix: dict, mark: str | None = None, gpu_results: dict | None = None) -> str:

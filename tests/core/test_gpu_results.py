@@ -34,10 +34,9 @@ def test_the_matrix_counts_passed_checks_per_release():
     results = {
         "versions": {
             "0.26.0": {
-                "gpu": "NVIDIA H200",
                 "checks": {
-                    "a": {"passed": True, "date": "2026-12-01"},
-                    "b": {"passed": False, "date": "2026-12-02"},
+                    "a": {"passed": True, "date": "2026-12-01", "gpu": "NVIDIA H200"},
+                    "b": {"passed": False, "date": "2026-12-02", "gpu": "NVIDIA H200"},
                 },
             }
         }
@@ -47,6 +46,17 @@ def test_the_matrix_counts_passed_checks_per_release():
     table = compat.markdown_table(compat.load_matrix(), gpu_results=results)
     [row] = [line for line in table.splitlines() if line.startswith("| 0.26.0 |")]
     assert row.endswith("| H200: 1/2 (2026-12-02) |")
+    # a release whose latest verdicts came from two cards counts each card's own
+    checks = results["versions"]["0.26.0"]["checks"]
+    checks["c"] = {"passed": True, "date": "2026-12-05", "gpu": "NVIDIA H100 80GB HBM3"}
+    assert compat.gpu_verdict("0.26.0", results) == ("H100 80GB HBM3: 1/1, H200: 1/2 (2026-12-05)")
+
+
+def test_each_merged_check_names_the_card_of_its_run():
+    for version, entry in compat.load_gpu_results()["versions"].items():
+        runs = {check["run"]: check["gpu"] for check in entry["checks"].values()}
+        for kept_run, card in runs.items():
+            assert json.loads((REPO / kept_run).read_text())["gpu"] == card, version
 
 
 def test_the_required_releases_were_run_on_a_gpu():
@@ -65,9 +75,9 @@ def test_a_failure_stock_vllm_shows_too_is_named_upstream():
         "other fault": {"passed": False, "figure": "TIMEOUT after 122s"},
         "passes": {"passed": True, "figure": "3/3 sequences equal"},
     }
-    entry = {"gpu": "NVIDIA H200", "checks": json.loads(json.dumps(checks))}
+    entry = {"checks": json.loads(json.dumps(checks))}
     for check in entry["checks"].values():
-        check["date"] = "2026-12-02"
+        check.update(date="2026-12-02", gpu="NVIDIA H200")
     record.attribute_upstream(entry)
     named = {name for name, check in entry["checks"].items() if check.get("upstream")}
     assert named == {reproducer, "same fault"}

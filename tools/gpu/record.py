@@ -11,8 +11,9 @@ that was corrected later reads the same evidence anew; a check the run cannot
 answer again keeps its recorded verdict. A later run's verdict on a check replaces
 an earlier one; a check a later run did not run keeps the earlier verdict, and one
 a later run shows the release cannot answer (no JIT monitor) loses it.
-``vllm_v4_patches/gpu_results.json`` holds the merge: per release, the GPU, torch,
-each check with pass/fail, its figure and its date, and the throughput figures.
+``vllm_v4_patches/gpu_results.json`` holds the merge: per release, torch and CUDA,
+each check with pass/fail, its figure, its date and the GPU it ran on, and the
+throughput figures.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def merge(results: dict, kept_run: Path) -> None:
     run = json.loads(kept_run.read_text())
     version = run["vllm"]
     entry = results["versions"].setdefault(version, {"checks": {}, "throughput": {}})
-    entry.update(gpu=run["gpu"], torch=run["torch"], cuda=run["driver_cuda"])
+    entry.update(torch=run["torch"], cuda=run["driver_cuda"])
     # a check the suite no longer has was a mistake of the harness: it is dropped
     recorded = {row["check"]: row for row in run["checks"] if row["check"] in CHECKS}
     recorded.update({row["check"]: row for row in evaluate(outcomes_of(run, logs_of(kept_run)))})
@@ -136,11 +137,13 @@ def merge(results: dict, kept_run: Path) -> None:
                 "passed": row["passed"],
                 "figure": row["figure"],
                 "date": run["date"],
+                # a release's checks may come from different cards' runs
+                "gpu": run["gpu"],
                 "run": kept_run.relative_to(REPO).as_posix(),
             }
     by_batch = throughput(run)
     if by_batch:
-        entry["throughput"] = {"date": run["date"], "by_batch": by_batch}
+        entry["throughput"] = {"date": run["date"], "gpu": run["gpu"], "by_batch": by_batch}
 
 
 def attribute_upstream(entry: dict) -> None:
