@@ -27,6 +27,14 @@ the same for other engine jobs of the run (``tools/generate.py`` answers on the 
 prompts, first ones first, such as stock's without speculation), over as many
 answer tokens as the recorded sequences have: whether a release's target itself
 computes what the reference does, with or without the overlay.
+``--teacher-forced-jobs`` compares the scores an engine gave its own answers
+(``tools/generate.py --teacher-forced``: every prompt and answer in one prefill) with
+this reference's, on the same packed batch.
+
+``--hash-norm warp`` gives the reference vLLM 0.20's hash routing (``WarpHashNorm``):
+that release's kernel divides a hash-routed token's expert weights by the sum over
+every row its warp holds, not over the token's own row. With the shrunken model's 8
+experts a warp holds 16 rows; with the real 256, one, where both agree.
 
 Needs torch, transformers (with DeepSeek-V4) and safetensors.
 """
@@ -34,6 +42,7 @@ Needs torch, transformers (with DeepSeek-V4) and safetensors.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -151,16 +160,73 @@ def write_hf_copies(checkpoint: Path, work: Path) -> tuple[Path, Path, Path]:
     return target_dir, stages_dir, extras_path
 
 
+HASH_NORMS = ("row", "warp")
+
+
+def kernel_rows_per_warp(experts: int, lanes: int = 32, experts_per_load: int = 4) -> int:
+    """How many tokens one warp of vLLM's ``topk_softplus_sqrt`` kernel routes: its
+    float32 router logits are read 16 bytes (4 experts) a lane, at least one load per
+    lane, so a token takes ``experts / (4 * max(1, experts / 128))`` lanes."""
+    per_lane = experts_per_load * max(1, experts // (experts_per_load * lanes))
+    return max(1, lanes // max(1, experts // per_lane))
+
+
+def warp_sums(selected: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row's warp total: ``selected [T]`` summed over consecutive groups of
+    ``rows`` from the first (the last group as long as the tokens left; the kernel's
+    lanes past the last token have returned and, taken as adding nothing, are so
+    here)."""
+    groups = selected.split(rows)
+    return torch.cat([group.sum().expand(len(group)) for group in groups])
+
+
+class WarpHashNorm:
+    """vLLM 0.20's normalisation of hash-routed expert weights, on a transformers V4.
+
+    Its CUDA kernel (``csrc/moe/topk_softplus_sqrt_kernels.cu`` in the 0.20.2 source
+    distribution, the hash path) sums a token's selected scores with a reduction
+    over all 32 lanes of the warp; 0.21.0 reduces over the token's own lanes only.
+    Each hash-routed gate of ``model`` is given a forward that divides by its warp's
+    total: the rows of one forward call grouped from its first, ``rows`` to a warp,
+    unless ``fixed`` holds the denominators (by layer) of a packed batch that this
+    forward is one sequence of. ``selected`` keeps, by layer, the last call's sums of
+    selected scores."""
+
+    def __init__(self, model: Any, rows: int) -> None:
+        self.rows = rows
+        self.fixed: dict[int, torch.Tensor] | None = None
+        self.selected: dict[int, torch.Tensor] = {}
+        self.layers = [i for i, layer in enumerate(model.model.layers) if layer.mlp.is_hash]
+        for index in self.layers:
+            gate = model.model.layers[index].mlp.gate
+            gate.forward = functools.partial(self.route, gate, index)
+
+    def route(
+        self, gate: Any, layer: int, hidden_states: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, gate.hidden_dim), gate.weight)
+        indices = gate.tid2eid[input_ids.reshape(-1)].long()
+        weights = gate.score_fn(logits).gather(1, indices)
+        selected = weights.sum(dim=-1)
+        self.selected[layer] = selected
+        totals = warp_sums(selected, self.rows) if self.fixed is None else self.fixed[layer]
+        return logits, weights / totals[:, None] * gate.routed_scaling_factor, indices
+
+
 class Reference:
     """The target and the draft stages in float32, on the CPU."""
 
-    def __init__(self, checkpoint: Path, work: Path) -> None:
+    def __init__(self, checkpoint: Path, work: Path, hash_norm: str = "row") -> None:
         from safetensors.torch import load_file
         from transformers import DeepseekV4ForCausalLM
 
         target_dir, stages_dir, extras_path = write_hf_copies(checkpoint, work)
         self.config = json.loads((checkpoint / "config.json").read_text())
         self.target = loaded(DeepseekV4ForCausalLM, target_dir)
+        self.hash_norm = None
+        if hash_norm == "warp":
+            rows = kernel_rows_per_warp(self.config["n_routed_experts"])
+            self.hash_norm = WarpHashNorm(self.target, rows)
         self.stages = loaded(DeepseekV4ForCausalLM, stages_dir)
         self.extras = {k: v.float() for k, v in load_file(str(extras_path)).items()}
         self.taps_cache: dict[tuple[int, ...], torch.Tensor] = {}
@@ -420,6 +486,79 @@ def compare_target(
     }
 
 
+def packed_logits(reference: Reference, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Each sequence's target logits as one packed step of all of them computes them
+    (a prefill of every sequence, the tokens of one after another's): with per-row
+    hash routing the sequences are independent; with vLLM 0.20's warp-wide one a
+    token's weights depend on its warp's rows, which may belong to the next
+    sequence. Each pass fixes the warp totals of one more hash-routed layer (a
+    layer's selected scores depend on the layers before it only), so the passes end
+    exact."""
+    norm = reference.hash_norm
+    passes = 1 if norm is None else len(norm.layers) + 1
+    totals: dict[int, list[torch.Tensor]] | None = None
+    for _ in range(passes):
+        logits, selected = [], {layer: [] for layer in (norm.layers if norm else [])}
+        for index, sequence in enumerate(sequences):
+            if norm is not None:
+                norm.fixed = None if totals is None else {k: v[index] for k, v in totals.items()}
+            logits.append(reference.target_logits(sequence))
+            for layer in selected:
+                selected[layer].append(norm.selected[layer])
+        if norm is not None:
+            lengths = [len(sequence) for sequence in sequences]
+            totals = {
+                layer: list(warp_sums(torch.cat(rows), norm.rows).split(lengths))
+                for layer, rows in selected.items()
+            }
+    if norm is not None:
+        norm.fixed = None
+    return logits
+
+
+def compare_teacher_forced(
+    reference: Reference, prompts: list[list[int]], answers: list[list[int]], gaps: list
+) -> dict[str, Any]:
+    """An engine's teacher-forced scores of its own answers (per answer token, its
+    best logprob minus the answer token's) against the reference's on the same
+    packed batch: how often each calls the answer token its own pick, how often the
+    two agree on that, and how far their gaps lie apart."""
+    sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
+    ours, theirs = [], []
+    for logits, prompt, answer, engine in zip(
+        packed_logits(reference, sequences), prompts, answers, gaps, strict=True
+    ):
+        rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(answer)]
+        ours += [float(row.max() - row[token]) for row, token in zip(rows, answer, strict=True)]
+        theirs += engine
+    differences = [abs(a - b) for a, b in zip(ours, theirs, strict=True)]
+    return {
+        "tokens": len(ours),
+        "reference_picks": sum(gap == 0.0 for gap in ours),
+        "engine_picks": sum(gap == 0.0 for gap in theirs),
+        "same_verdict": sum((a == 0.0) == (b == 0.0) for a, b in zip(ours, theirs, strict=True)),
+        "gap_max": max(ours),
+        "difference_median": statistics.median(differences),
+        "difference_max": max(differences),
+    }
+
+
+def suite_prompts(checkpoint: Path, recorded: list[list[int]]) -> list[list[int]]:
+    """The GPU suite's V4 prompts as the engine tokenised them (the checkpoint's own
+    tokenizer, its BOS first), checked against the prompts a run recorded."""
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(HERE / "gpu"))
+    import suite
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    prompts = [tokenizer(text)["input_ids"] for text in suite.V4_PROMPTS]
+    for prompt in recorded:
+        if prompt not in prompts:
+            raise ValueError(f"the run's prompt {prompt} is not one of the suite's V4 prompts")
+    return prompts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path)
@@ -430,10 +569,44 @@ def main() -> None:
     parser.add_argument(
         "--score-jobs", nargs="*", default=[], help="engine jobs whose answers to score too"
     )
+    parser.add_argument(
+        "--teacher-forced-jobs",
+        nargs="*",
+        default=[],
+        help="engine jobs whose own teacher-forced scores to compare with the reference's",
+    )
+    parser.add_argument(
+        "--hash-norm",
+        choices=HASH_NORMS,
+        default="row",
+        help="row: per token (transformers, vLLM 0.21+); warp: vLLM 0.20's kernel",
+    )
+    parser.add_argument(
+        "--only-teacher-forced", action="store_true", help="skip the served job's comparisons"
+    )
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    reference = Reference(args.checkpoint, args.work)
+    reference = Reference(args.checkpoint, args.work, args.hash_norm)
     results = json.loads(args.run.read_text())["results"]
+    report: dict[str, Any] = {"hash_norm": args.hash_norm}
+    if not args.only_teacher_forced:
+        report.update(served_job_report(reference, results, args))
+    if args.teacher_forced_jobs:
+        served = results.get(args.job, {}).get("records", [])
+        prompts = suite_prompts(args.checkpoint, [record["prompt"] for record in served])
+    for job in args.teacher_forced_jobs:
+        answers = results[job]["token_ids"]
+        report[f"teacher-forced ({job})"] = compare_teacher_forced(
+            reference, prompts[: len(answers)], answers, results[job]["teacher_forced"]["gaps"]
+        )
+    print(json.dumps(report, indent=1))
+
+
+def served_job_report(
+    reference: Reference, results: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The served job's target picks and draft blocks, and other jobs' answers on its
+    prompts, against the reference."""
     result = results[args.job]
     prompt_lengths = [
         next(len(r["prompt"]) for r in result["records"] if s[: len(r["prompt"])] == r["prompt"])
@@ -446,7 +619,7 @@ def main() -> None:
     for job in args.score_jobs:
         answers = continued(result["sequences"], prompt_lengths, results[job]["token_ids"])
         report[f"target ({job})"] = compare_target(reference, answers, prompt_lengths)
-    print(json.dumps(report, indent=1))
+    return report
 
 
 def continued(
