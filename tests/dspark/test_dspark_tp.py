@@ -66,11 +66,45 @@ def test_two_ranks_draft_losslessly_as_one_does(runs, method, head):
         assert rank["draft_class"] == one_rank["dspark_drafter"]["draft_class"]
         split = rank["markov_bias_tp_size"]
         assert split in (1, 2) and rank["markov_bias_rows"] * split >= whole, rank
+        # greedy drafts walk the rank's vocabulary shard wherever the head is split
+        walked = rank["draft_steps"] if split == 2 else 0
+        assert rank["sharded_draft_steps"] == walked, rank
     if head != "vanilla":  # the overlay's class: the Markov head is split
         assert [rank["markov_bias_tp_size"] for rank in ranks] == [2, 2]
     reference = acceptance_length(one_rank["spec_decode"])
     length = acceptance_length(two_ranks["spec_decode"])
     assert reference >= 1.5 and abs(length - reference) <= 0.1 * reference, (length, reference)
+
+
+def plan_shard_walk(runs: ModuleRuns, inputs: Inputs) -> None:
+    """The gated head at TP = 2 (its Markov head split), walked over the shards and,
+    with ``VLLM_V4_DSPARK_MARKOV_KERNEL=torch``, by the loop."""
+    plan_tensor_parallel(runs, inputs, "greedy", "gated")
+    speculation = {"dspark": str(inputs.variants["gated"]), "draft_sample_method": "greedy"}
+    env = {**TWO_RANKS["env"], "VLLM_V4_DSPARK_MARKOV_KERNEL": "torch"}
+    loop = engine_run(
+        "tp2 greedy gated loop",
+        inputs.target,
+        multiprocess=True,
+        **speculation,
+        **RUN,
+        **{**TWO_RANKS, "env": env},
+    )
+    runs.add("tp2", loop, pythonpath=[str(REPO)])
+
+
+def test_the_shard_walk_drafts_what_the_loop_drafts(runs):
+    """At TP = 2 the split Markov head's greedy drafts are walked over each rank's
+    vocabulary shard, one reduction of (logit, id) per slot, where the loop
+    (``VLLM_V4_DSPARK_MARKOV_KERNEL=torch``) gathers the whole bias: the same
+    tokens, the same drafts accepted (drafts that differed anywhere would be
+    accepted differently), and only the shard run walks shards."""
+    sharded, loop = runs["tp2 greedy gated"], runs["tp2 greedy gated loop"]
+    assert sharded["token_ids"] == loop["token_ids"]
+    for counter in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert sharded["spec_decode"][counter] == loop["spec_decode"][counter], counter
+    assert all(rank["sharded_draft_steps"] > 0 for rank in sharded["dspark_drafter_ranks"])
+    assert all(rank["sharded_draft_steps"] == 0 for rank in loop["dspark_drafter_ranks"])
 
 
 def plan_sampled(runs: ModuleRuns, inputs: Inputs) -> None:
@@ -102,4 +136,5 @@ def test_two_ranks_sample_what_one_rank_samples_with_probabilistic_drafts(runs):
 PLANS = {
     test_two_ranks_draft_losslessly_as_one_does.__name__: plan_tensor_parallel,
     test_two_ranks_sample_what_one_rank_samples_with_probabilistic_drafts.__name__: plan_sampled,
+    test_the_shard_walk_drafts_what_the_loop_drafts.__name__: plan_shard_walk,
 }

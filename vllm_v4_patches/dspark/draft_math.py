@@ -95,6 +95,7 @@ class DraftBlock:
     probs: torch.Tensor | None  # [B, N, V]
     confidence: torch.Tensor | None  # [B, N]
     fused: bool = False  # drafted by the fused GPU kernel rather than the loop
+    sharded: bool = False  # walked over this rank's vocabulary shard of the bias (TP > 1)
 
 
 # --------------------------------------------------------------------------- Markov head

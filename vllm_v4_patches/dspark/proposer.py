@@ -140,6 +140,7 @@ def proposer_class() -> type:
             self.draft_steps = 0
             self.fused_draft_steps = 0  # of draft_steps, those the fused kernel drafted
             self.graph_draft_steps = 0  # of those, the ones replayed from a CUDA graph
+            self.sharded_draft_steps = 0  # of draft_steps, walked over a vocabulary shard
             if self.verification is not None:
                 self.verification.restart()
 
@@ -240,6 +241,7 @@ def proposer_class() -> type:
             self.last_confidence = block.confidence
             self.draft_steps += 1
             self.fused_draft_steps += block.fused
+            self.sharded_draft_steps += block.sharded
             probs = None if block.probs is None else block.probs.flatten(0, 1)
             return block.tokens.flatten(), probs
 

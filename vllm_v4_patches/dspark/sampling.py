@@ -13,9 +13,12 @@ Greedy drafts of a vanilla Markov head on a CUDA device go through the fused
 kernel (``markov_kernel``) where it computes exactly what the loop would: the
 whole draft vocabulary's bias weight on this rank (tensor parallel size 1), no
 draft-to-target id map, an unquantized bias weight, logits neither scaled nor
-soft-capped; ``graphs`` replays that path from CUDA graphs.
+soft-capped; ``graphs`` replays that path from CUDA graphs. Where the bias weight
+is split over the vocabulary (tensor parallel size above 1), greedy drafts of any
+head walk this rank's shard and reduce each slot's best over the ranks
+(``markov_shards``) instead of gathering the bias.
 ``VLLM_V4_DSPARK_MARKOV_KERNEL=eager`` launches the kernel every step instead, and
-``torch`` keeps the PyTorch loop.
+``torch`` keeps the PyTorch loop (gathering the bias at TP > 1).
 """
 
 from __future__ import annotations
@@ -83,6 +86,9 @@ def draft_with_markov_head(
         block = fused_greedy_block(model, base_logits, anchors, hidden_states)
         if block is not None:
             return block
+        block = sharded_greedy_block(model, base_logits, anchors, hidden_states)
+        if block is not None:
+            return block
     slot_hidden = hidden_states.view(batch, num_slots, hidden_states.shape[-1])
     step = getattr(model, "markov_step", None)  # gated/rnn heads need the hidden state
 
@@ -144,6 +150,36 @@ def fused_greedy_block(
     embeddings = model.markov_embed(previous.flatten()).view(batch, num_slots, -1)
     confidence = _confidence(model, hidden_states, embeddings.unbind(1), batch)
     return DraftBlock(tokens=tokens, probs=None, confidence=confidence, fused=True)
+
+
+def sharded_greedy_block(
+    model: Any, base_logits: torch.Tensor, anchors: torch.Tensor, hidden_states: torch.Tensor
+) -> DraftBlock | None:
+    """The greedy block walked over this rank's vocabulary shard of the Markov bias
+    (``markov_shards``), or None where the bias weight is whole on every rank."""
+    from vllm_v4_patches.dspark.markov_shards import head_features, vocab_shard
+
+    shard = vocab_shard(model, base_logits.shape[-1])
+    if shard is None:
+        return None
+    batch, num_slots, _ = base_logits.shape
+    slot_hidden = hidden_states.view(batch, num_slots, hidden_states.shape[-1])
+    features_of = head_features(model)
+
+    def bias_step(previous: Any, slot: int, state: Any) -> tuple[Any, Any, Any]:
+        embedding = model.markov_embed(previous)
+        features, state = features_of(embedding, slot_hidden[:, slot], state)
+        return shard.bias(features), state, embedding
+
+    walked = walk_slots(
+        shard.columns(base_logits),
+        anchors,
+        bias_step,
+        shard.best,
+        lambda ids: _to_target_ids(model, ids),
+    )
+    confidence = _confidence(model, hidden_states, walked.embeddings, batch)
+    return DraftBlock(tokens=walked.tokens, probs=None, confidence=confidence, sharded=True)
 
 
 def block_logits(
