@@ -99,3 +99,44 @@ def test_both_ranks_must_draft_and_split_the_head_where_asked():
     assert not suite.CHECKS[SPLIT]({"tp2-dspark-gated": drafters((2, 9))})[0]
     assert suite.CHECKS[BOTH]({"tp2-dspark": drafters((None, 9), (None, 9))})[0]
     assert not suite.CHECKS[BOTH]({"tp2-dspark": outcome({"dspark_drafter_ranks": None})})[0]
+
+
+WALK = "dspark/2 GPUs: the gated head's shard walk drafts what the loop drafts"
+WALK_TIME = "dspark/2 GPUs (diagnostic): shard walk against the loop, draft step"
+
+
+def drafted(tokens: list, accepted: int, shard_steps: tuple[int, int], steps: int = 9) -> dict:
+    ranks = [{"sharded_draft_steps": shard, "draft_steps": steps} for shard in shard_steps]
+    counters = {"num_drafts": 30, "num_draft_tokens": 120, "num_accepted_tokens": accepted}
+    return {"token_ids": tokens, "spec_decode": counters, "dspark_drafter_ranks": ranks}
+
+
+def test_the_shard_walk_passes_only_with_the_loops_drafts():
+    loop = outcome(drafted([[1, 2]], 50, (0, 0)))
+
+    def verdict(walk: dict) -> bool:
+        return suite.CHECKS[WALK](
+            {suite.SHARD_WALK_JOB: outcome(walk), suite.SHARD_LOOP_JOB: loop}
+        )[0]
+
+    assert verdict(drafted([[1, 2]], 50, (9, 9)))
+    assert not verdict(drafted([[1, 3]], 50, (9, 9)))  # other tokens
+    assert not verdict(drafted([[1, 2]], 49, (9, 9)))  # other drafts accepted
+    assert not verdict(drafted([[1, 2]], 50, (9, 0)))  # one rank gathered instead
+    assert not verdict(drafted([[1, 2]], 50, (0, 0)))  # nothing walked shards
+
+
+def test_the_shard_walk_jobs_are_timed_against_the_loop():
+    jobs = {job.name: job for job in suite.jobs_for("0.26.0", gpus=2)}
+    walk, loop = jobs[suite.SHARD_WALK_JOB], jobs[suite.SHARD_LOOP_JOB]
+    assert loop.env["VLLM_V4_DSPARK_MARKOV_KERNEL"] == "torch"
+    assert "VLLM_V4_DSPARK_MARKOV_KERNEL" not in walk.env
+    for job in (walk, loop):
+        assert "--step-times" in job.args and job.gpus == 2
+    share = {"steps": 5, "ratio_basis": "device_ms", "draft_device_ms": 2.0}
+    timed = {batch: share for batch in suite.STEP_BATCHES}
+    runs = {name: outcome({"step_times": timed}) for name in (walk.name, loop.name)}
+    ok, detail = suite.CHECKS[WALK_TIME](runs)
+    assert ok and "ratio 1.000" in detail
+    runs[walk.name] = outcome({"step_times": {**timed, "64": {"steps": 0}}})
+    assert not suite.CHECKS[WALK_TIME](runs)[0]

@@ -153,10 +153,20 @@ def tensor_parallel_jobs(dspark: list[str], qwen3: list[str]) -> list[Job]:
         "tp1-dspark-sampled": ([*qwen3, *dspark, *sampled], True),
     }
     jobs = [Job(name, args, overlay, V1, part="tp2") for name, (args, overlay) in runs.items()]
+    timed = ["--step-times", *STEP_BATCHES]
     for name, (args, overlay) in list(runs.items())[1:]:
         two_name = name.replace("tp1", "tp2")
-        jobs.append(Job(two_name, [*args, *two], overlay, env, part="tp2", gpus=2))
+        extra = timed if two_name == SHARD_WALK_JOB else []
+        jobs.append(Job(two_name, [*args, *two, *extra], overlay, env, part="tp2", gpus=2))
+    # the gated head's split bias drafted by the loop, which gathers it: the shard
+    # walk's tokens and draft-step time are judged against it
+    loop = {**env, "VLLM_V4_DSPARK_MARKOV_KERNEL": "torch"}
+    args = [*qwen3, *gated, *two, *timed]
+    jobs.append(Job(SHARD_LOOP_JOB, args, True, loop, part="tp2", gpus=2))
     return jobs
+
+
+SHARD_WALK_JOB, SHARD_LOOP_JOB = "tp2-dspark-gated", "tp2-dspark-gated-loop"
 
 
 def data_parallel_jobs() -> list[Job]:
@@ -1298,6 +1308,58 @@ def ranks_drafted(job: str, split: bool | None) -> Check:
     return check
 
 
+def shard_walk_like_loop(walk: str, loop: str) -> Check:
+    """The split Markov head walked over each rank's vocabulary shard drafts what
+    the loop drafts: the same tokens and the same drafts accepted, every draft
+    step of both ranks a shard walk in ``walk`` and none in ``loop``."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        all_ran(outcomes, walk, loop)
+        walked, looped = result_of(outcomes, walk), result_of(outcomes, loop)
+        names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+        counters = [[run["spec_decode"].get(name) for name in names] for run in (walked, looped)]
+        shard_steps = [
+            [(rank.get("sharded_draft_steps"), rank.get("draft_steps")) for rank in ranks]
+            for ranks in (walked.get("dspark_drafter_ranks") or [], looped["dspark_drafter_ranks"])
+        ]
+        ok = walked["token_ids"] == looped["token_ids"] and counters[0] == counters[1]
+        ok = ok and len(shard_steps[0]) == 2 and all(s == d and d for s, d in shard_steps[0])
+        ok = ok and all(not s for s, _ in shard_steps[1])
+        return ok, (
+            f"tokens {'equal' if walked['token_ids'] == looped['token_ids'] else 'differ'}; "
+            f"drafts, draft tokens, accepted: {counters[0]} against {counters[1]}; "
+            f"(shard steps, draft steps) by rank {shard_steps[0]} against {shard_steps[1]}"
+        )
+
+    return check
+
+
+def draft_step_against(job: str, reference: str) -> Check:
+    """Rank 0's median draft step (``generate.py --step-times``) in ``job`` against
+    ``reference``'s, per batch size, on the device where it was timed there."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        figures = [result_of(outcomes, name).get("step_times") for name in (job, reference)]
+        if not all(figures):
+            raise Missing(f"{job} or {reference} recorded no step_times")
+        parts, ok = [], True
+        for batch in STEP_BATCHES:
+            shares = [figure.get(batch, {"steps": 0}) for figure in figures]
+            if not all(share["steps"] for share in shares):
+                ok = False
+                parts.append(f"batch {batch}: no step")
+                continue
+            unit = "device" if shares[0]["ratio_basis"] == "device_ms" else "host"
+            mine, theirs = (share[f"draft_{unit}_ms"] for share in shares)
+            parts.append(
+                f"batch {batch}: {mine:.3f} ms against {theirs:.3f} ms ({unit}, ratio "
+                f"{mine / theirs:.3f})"
+            )
+        return ok, "; ".join(parts)
+
+    return check
+
+
 def same_answers(reference: str, other: str, near_tie: bool = False) -> Check:
     """``serve_check.py --one-at-a-time``'s greedy answers, token for token; with
     ``near_tie``, an answer may part from the reference where the reference's
@@ -1591,6 +1653,12 @@ CHECKS: dict[str, Check] = {
     "dspark/2 GPUs: both ranks draft": ranks_drafted("tp2-dspark", None),
     "dspark/2 GPUs: the gated head's bias is split over both ranks": ranks_drafted(
         "tp2-dspark-gated", True
+    ),
+    "dspark/2 GPUs: the gated head's shard walk drafts what the loop drafts": (
+        shard_walk_like_loop(SHARD_WALK_JOB, SHARD_LOOP_JOB)
+    ),
+    "dspark/2 GPUs (diagnostic): shard walk against the loop, draft step": draft_step_against(
+        SHARD_WALK_JOB, SHARD_LOOP_JOB
     ),
     "dp_dummy/2 GPUs: stock V4 idle-rank dummies have no context": idle_rank_dummies(
         "dp2-v4-stock", 0
