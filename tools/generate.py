@@ -315,8 +315,13 @@ def dspark_drafter_stats(worker) -> dict:  # noqa: ANN001
     replayed, and how many walked this rank's vocabulary shard of the Markov bias;
     None for what the drafter lacks."""
     drafter = getattr(worker.model_runner, "drafter", None)
-    names = ("verify_counts", "draft_steps", "fused_draft_steps", "graph_draft_steps")
-    names += ("sharded_draft_steps",)
+    names = (
+        "verify_counts",
+        "draft_steps",
+        "fused_draft_steps",
+        "graph_draft_steps",
+        "sharded_draft_steps",
+    )
     stats = {name: getattr(drafter, name, None) for name in names}
     # the Markov bias weight's rows on this rank: the vocabulary shard it scores
     head = getattr(getattr(getattr(drafter, "model", None), "model", None), "markov_head", None)

@@ -15,7 +15,7 @@ so the class here is vLLM's DFlash Qwen3 draft with
 
 exposing the hooks the drafter's sequential stage calls (``compute_draft_logits``,
 ``markov_embed``, ``markov_bias``, ``compute_confidence``, ``map_draft_to_target``),
-the same names vLLM's own DSpark draft classes use, plus ``markov_step``, which
+the same names vLLM's own DSpark draft classes use, plus ``markov_features``, which
 the gated and rnn heads need (they read the slot's hidden state, and rnn carries a
 state from slot to slot). vLLM's own DSpark class (0.25+) has the vanilla head only,
 so there the V1 drafter gives gated and rnn drafts this class instead, registered
@@ -155,16 +155,16 @@ def draft_model_class() -> type:
         def markov_bias(self, markov_embed: torch.Tensor) -> torch.Tensor:
             return self.logits_processor(self.model.markov_head.markov_w2, markov_embed)
 
-        def markov_step(
+        def markov_features(
             self,
             markov_embed: torch.Tensor,
             hidden_states: torch.Tensor,
             state: torch.Tensor | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-            """One slot's bias given the previous token's code and this slot's hidden
-            state; returns ``(bias, state)`` (the rnn head's state, else None)."""
-            features, state = self.model.markov_head.features(markov_embed, hidden_states, state)
-            return self.markov_bias(features), state
+            """What ``markov_w2`` projects for one slot, given the previous token's
+            code and this slot's hidden state, and the rnn head's state after it
+            (else None)."""
+            return self.model.markov_head.features(markov_embed, hidden_states, state)
 
         def compute_confidence(
             self, hidden_states: torch.Tensor, markov_embed: torch.Tensor

@@ -99,14 +99,3 @@ def vocab_shard(model: Any, vocab: int) -> VocabShard | None:
     return VocabShard(
         layer, shard.org_vocab_start_index, shard.num_org_elements, get_tp_group().device_group
     )
-
-
-def head_features(model: Any) -> Any:
-    """``(embedding, hidden, state) -> (features, state)``: what ``markov_w2``
-    projects for a slot (the overlay's gated and rnn heads mix in the slot's hidden
-    state; a vanilla head projects the embedding itself)."""
-    head = model.model.markov_head
-    features = getattr(head, "features", None)
-    if features is not None:
-        return features
-    return lambda embedding, hidden, state: (embedding, None)

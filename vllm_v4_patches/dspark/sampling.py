@@ -6,8 +6,9 @@ and samples. It works on any
 model exposing ``compute_draft_logits`` (or ``compute_logits``), ``markov_embed``,
 ``markov_bias`` and optionally ``compute_confidence`` / ``map_draft_to_target``,
 which is what vLLM's DSpark draft classes (0.25+) expose; a model with
-``markov_step`` (the overlay's draft class: gated and rnn heads) gets each slot's
-hidden state and its own state through it.
+``markov_features`` (the overlay's draft class: gated and rnn heads) turns the
+Markov embedding, each slot's hidden state and its own state into what the bias
+projects.
 
 Greedy drafts of a vanilla Markov head on a CUDA device go through the fused
 kernel (``markov_kernel``) where it computes exactly what the loop would: the
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_v4_patches.dspark.draft_math import DraftBlock, sample_slot
 from vllm_v4_patches.dspark.markov_chain import walk_slots
+from vllm_v4_patches.dspark.markov_shards import vocab_shard
 
 if TYPE_CHECKING:
     import torch
@@ -82,32 +84,40 @@ def draft_with_markov_head(
 
     batch = anchors.shape[0]
     base_logits = block_logits(model, hidden_states, batch, num_slots)
+    shard = None
     if temperature is None and fused:
         block = fused_greedy_block(model, base_logits, anchors, hidden_states)
         if block is not None:
             return block
-        block = sharded_greedy_block(model, base_logits, anchors, hidden_states)
-        if block is not None:
-            return block
+        shard = vocab_shard(model, base_logits.shape[-1])
     slot_hidden = hidden_states.view(batch, num_slots, hidden_states.shape[-1])
-    step = getattr(model, "markov_step", None)  # gated/rnn heads need the hidden state
+    features_of = getattr(model, "markov_features", None)  # gated/rnn heads: hidden state
+    project = model.markov_bias if shard is None else shard.bias
 
     def bias_step(previous: Any, slot: int, state: Any) -> tuple[Any, Any, Any]:
-        embedding = model.markov_embed(previous)
-        if step is None:
-            return model.markov_bias(embedding), None, embedding
-        bias, state = step(embedding, slot_hidden[:, slot], state)
-        return bias, state, embedding
+        embedding = features = model.markov_embed(previous)
+        if features_of is not None:
+            features, state = features_of(embedding, slot_hidden[:, slot], state)
+        return project(features), state, embedding
 
     def pick(corrected: Any, slot: int) -> tuple[Any, Any]:
         uniforms = None if temperature is None else slot_uniforms(corrected, generators)
         return sample_slot(corrected, temperature, uniforms)
 
     walked = walk_slots(
-        base_logits, anchors, bias_step, pick, lambda ids: _to_target_ids(model, ids)
+        base_logits if shard is None else shard.columns(base_logits),
+        anchors,
+        bias_step,
+        pick if shard is None else shard.best,
+        lambda ids: _to_target_ids(model, ids),
     )
     confidence = _confidence(model, hidden_states, walked.embeddings, batch)
-    return DraftBlock(tokens=walked.tokens, probs=walked.probs, confidence=confidence)
+    return DraftBlock(
+        tokens=walked.tokens,
+        probs=walked.probs,
+        confidence=confidence,
+        sharded=shard is not None,
+    )
 
 
 def slot_uniforms(like: torch.Tensor, generators: dict[int, Any] | None) -> torch.Tensor:
@@ -150,36 +160,6 @@ def fused_greedy_block(
     embeddings = model.markov_embed(previous.flatten()).view(batch, num_slots, -1)
     confidence = _confidence(model, hidden_states, embeddings.unbind(1), batch)
     return DraftBlock(tokens=tokens, probs=None, confidence=confidence, fused=True)
-
-
-def sharded_greedy_block(
-    model: Any, base_logits: torch.Tensor, anchors: torch.Tensor, hidden_states: torch.Tensor
-) -> DraftBlock | None:
-    """The greedy block walked over this rank's vocabulary shard of the Markov bias
-    (``markov_shards``), or None where the bias weight is whole on every rank."""
-    from vllm_v4_patches.dspark.markov_shards import head_features, vocab_shard
-
-    shard = vocab_shard(model, base_logits.shape[-1])
-    if shard is None:
-        return None
-    batch, num_slots, _ = base_logits.shape
-    slot_hidden = hidden_states.view(batch, num_slots, hidden_states.shape[-1])
-    features_of = head_features(model)
-
-    def bias_step(previous: Any, slot: int, state: Any) -> tuple[Any, Any, Any]:
-        embedding = model.markov_embed(previous)
-        features, state = features_of(embedding, slot_hidden[:, slot], state)
-        return shard.bias(features), state, embedding
-
-    walked = walk_slots(
-        shard.columns(base_logits),
-        anchors,
-        bias_step,
-        shard.best,
-        lambda ids: _to_target_ids(model, ids),
-    )
-    confidence = _confidence(model, hidden_states, walked.embeddings, batch)
-    return DraftBlock(tokens=walked.tokens, probs=None, confidence=confidence, sharded=True)
 
 
 def block_logits(
