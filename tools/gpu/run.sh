@@ -4,6 +4,11 @@
 #   tools/gpu/run.sh install VERSION        install the release (once) under /tmp/gpu-site
 #   tools/gpu/run.sh suite VERSION [ARGS]   install the release (once), run the suite
 #   tools/gpu/run.sh python VERSION ARGS    install the release (once), run python3 ARGS
+#   tools/gpu/run.sh detach VERSION [ARGS]  as suite, but in its own process session
+#   tools/gpu/run.sh collect VERSION [WAIT] wait up to WAIT s for it; hand back its files
+# A detached suite outlives the call that starts it (it runs until the machine goes
+# back), so its engines keep their compiled kernels past one call's 10 minutes; later
+# calls collect it, each waiting inside its own limit.
 # A call carries one chunk of .cache/gpu-stage/VERSION (made by tools/gpu/stage.py);
 # a suite call may carry .cache/gpu-kernels-packed (the kernel cache handed back);
 # /tmp lasts while the machine stays warm, so the chunks gather there call by call.
@@ -75,6 +80,36 @@ site_path() {
   echo "$path"
 }
 
+detached=/tmp/gpu-detached/$version
+
+detach() {
+  if [ -f "$detached/pid" ] && kill -0 "$(cat "$detached/pid")" 2>/dev/null; then
+    echo "a detached suite is already running for $version"; return
+  fi
+  rm -rf "$detached" && mkdir -p "$detached"
+  VLLM_GPU_SITE=$(site_path) PYTHONPATH=$(site_path) PYTHONUNBUFFERED=1 \
+    setsid python3 tools/gpu/suite.py "$detached/out" "$@" >"$detached/log" 2>&1 </dev/null &
+  echo $! >"$detached/pid"
+  echo "detached suite for $version: pid $(cat "$detached/pid"), log $detached/log"
+}
+
+collect() {
+  local wait=${1:-0} waited=0
+  [ -f "$detached/pid" ] || { echo "no detached suite for $version" >&2; exit 1; }
+  while kill -0 "$(cat "$detached/pid")" 2>/dev/null && [ "$waited" -lt "$wait" ]; do
+    sleep 5
+    waited=$((waited + 5))
+  done
+  if kill -0 "$(cat "$detached/pid")" 2>/dev/null; then
+    echo "still running after ${waited}s; the log's end:"
+    tail -n 40 "$detached/log"
+    return
+  fi
+  cat "$detached/log"
+  cp "$detached"/out/* "${OUT:-/tmp/gpu-out}"/ 2>/dev/null || true
+  cp "$detached/log" "${OUT:-/tmp/gpu-out}"/suite-$version.log
+}
+
 case $command in
   receive) receive ;;
   install)
@@ -87,11 +122,18 @@ case $command in
     unpack_kernels
     VLLM_GPU_SITE=$(site_path) PYTHONPATH=$(site_path) python3 tools/gpu/suite.py "${OUT:-/tmp/gpu-out}" "$@"
     ;;
+  detach)
+    receive
+    install
+    unpack_kernels
+    detach "$@"
+    ;;
+  collect) collect "$@" ;;
   python)
     receive
     install
     unpack_kernels
     VLLM_GPU_SITE=$(site_path) PYTHONPATH=$(site_path) python3 "$@"
     ;;
-  *) echo "usage: tools/gpu/run.sh receive|install|suite|python VERSION [args]" >&2; exit 2 ;;
+  *) echo "usage: tools/gpu/run.sh receive|install|suite|detach|collect|python VERSION [args]" >&2; exit 2 ;;
 esac
