@@ -17,7 +17,7 @@ export VLLM_HOST_IP := 127.0.0.1
 # 18 s instead of 9 s on the 2-core machine, whose shell sets this variable).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: venv model lint test test-fast demo bench soak gpu-stage clean
+.PHONY: venv model lint test test-slow test-fast demo bench soak gpu-stage clean
 
 venv: $(VENV)/.ready
 
@@ -47,7 +47,11 @@ lint: venv
 	$(PY) -m black --check -q $(SOURCES)
 
 test: venv model lint
-	$(PY) -m pytest -q -ra --durations=30 tests
+	$(PY) -m pytest -q -ra --durations=30 -m "not slow" tests
+
+# the long engine runs CI leaves out: the soak's short tier, the engine-core kill under load
+test-slow: venv model
+	$(PY) -m pytest -q -ra --durations=10 -m slow tests
 
 test-fast: venv model
 	$(PY) -m pytest -q -ra -m "not e2e" tests

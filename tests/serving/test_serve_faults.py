@@ -105,6 +105,7 @@ def kill_engine_run(target, draft=None, *, overlay: bool) -> dict:
     return run
 
 
+@pytest.mark.slow
 def test_an_engine_core_killed_under_load_ends_as_in_stock_vllm(dspark_pair):
     """``kill -9`` of the engine core while four streamed requests run: stock vLLM,
     the overlay, and the overlay serving DSpark end the same way (each stream's

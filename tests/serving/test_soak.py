@@ -3,8 +3,8 @@
 ``tools/soak.py`` starts the plain server and the overlay's with greedy DSpark
 drafts under async scheduling (forced on: vLLM's CPU platform turns it off), and
 sends each the same 40 mixed requests from 8 client threads with the official
-``openai`` client (see its docstring for the mix and the invariants). Two servers
-keep it within CI's 3 minutes for this tier; ``make soak`` runs the long one on
+``openai`` client (see its docstring for the mix and the invariants). It runs in
+``make test-slow``, not in CI's ``make test``; ``make soak`` runs the long one on
 five, synchronous, probabilistic and confidence-scheduled DSpark included, and
 ``test_dspark_seeded.py`` covers seeded probabilistic drafts.
 """
@@ -25,7 +25,7 @@ from conftest import (
     run_python,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SERVERS = ("plain", "dspark-async")
 
