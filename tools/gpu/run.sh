@@ -87,7 +87,9 @@ detach() {
     echo "a detached suite is already running for $version"; return
   fi
   rm -rf "$detached" && mkdir -p "$detached"
-  VLLM_GPU_SITE=$(site_path) PYTHONPATH=$(site_path) PYTHONUNBUFFERED=1 \
+  local path
+  path=$(site_path)
+  VLLM_GPU_SITE=$path PYTHONPATH=$path PYTHONUNBUFFERED=1 \
     setsid python3 tools/gpu/suite.py "$detached/out" "$@" >"$detached/log" 2>&1 </dev/null &
   echo $! >"$detached/pid"
   echo "detached suite for $version: pid $(cat "$detached/pid"), log $detached/log"
@@ -110,6 +112,20 @@ collect() {
   cp "$detached/log" "${OUT:-/tmp/gpu-out}"/suite-$version.log
 }
 
+# what every command that runs the release needs first
+prepare() {
+  receive
+  install
+  unpack_kernels
+}
+
+# run "$@" with the installed release importable
+with_site() {
+  local path
+  path=$(site_path)
+  VLLM_GPU_SITE=$path PYTHONPATH=$path "$@"
+}
+
 case $command in
   receive) receive ;;
   install)
@@ -117,23 +133,17 @@ case $command in
     install
     ;;
   suite)
-    receive
-    install
-    unpack_kernels
-    VLLM_GPU_SITE=$(site_path) PYTHONPATH=$(site_path) python3 tools/gpu/suite.py "${OUT:-/tmp/gpu-out}" "$@"
+    prepare
+    with_site python3 tools/gpu/suite.py "${OUT:-/tmp/gpu-out}" "$@"
     ;;
   detach)
-    receive
-    install
-    unpack_kernels
+    prepare
     detach "$@"
     ;;
   collect) collect "$@" ;;
   python)
-    receive
-    install
-    unpack_kernels
-    VLLM_GPU_SITE=$(site_path) PYTHONPATH=$(site_path) python3 "$@"
+    prepare
+    with_site python3 "$@"
     ;;
   *) echo "usage: tools/gpu/run.sh receive|install|suite|detach|collect|python VERSION [args]" >&2; exit 2 ;;
 esac
