@@ -502,7 +502,7 @@ V4_ROUTE_SHOWN = {
     V4_ROUTE_CLASS: "DeepSeek-V4's own stages: drafted on V1 through vLLM's V4 draft class "
     "where VLLM_V4_DSPARK_V4_ON_V1=on, else refused in one line",
     V4_ROUTE_OVERLAY: "DeepSeek-V4's own stages: drafted on V1 through the overlay's V4 "
-    "draft class where VLLM_V4_DSPARK_V4_ON_V1=on (served on a GPU on 0.20.2 and 0.24.0 so far), "
+    "draft class where VLLM_V4_DSPARK_V4_ON_V1=on (served eager on a GPU on 0.20.2 and 0.24.0), "
     "else refused in one line",
     V4_ROUTE_NO_CLASS: "DeepSeek-V4's own stages: refused on V1 (no usable V4 draft class)",
     V4_ROUTE_NO_V4: "no DeepSeek-V4 in this vLLM",

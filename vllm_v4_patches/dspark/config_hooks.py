@@ -296,9 +296,9 @@ V4_ON_V1_CHOICES = ("off", "on")
 def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
     """A DeepSeek-V4 target's own DSpark stages go to the overlay's V4 drafter
     (``v4_proposer``, through vLLM's V4 draft class, or on 0.20-0.24 the overlay's
-    own, ``v4_stages``) only when asked for: on the GPU it is lossless eager at N = 5 on
-    0.26, served eager on 0.20.2 and 0.24.0 without the lossless matrix there, and
-    unproven with CUDA graphs (``docs/dspark.md`` section 13). Otherwise, and on a
+    own, ``v4_stages``) only when asked for: on the GPU it is lossless eager at N = 5
+    (the lossless matrix on 0.26.0 and 0.24.0, a batch of 8 on 0.20.2) and unproven with
+    CUDA graphs (``docs/dspark.md`` section 13). Otherwise, and on a
     release with neither class, one line."""
     from vllm_v4_patches.dspark import checkpoint
     from vllm_v4_patches.toggles import read_choice
@@ -332,15 +332,15 @@ def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
         raise ValueError(
             f"speculative_config.model={draft}: vLLM {__version__} has no DSpark of its "
             "own; vllm_v4_patches' draft class for the DSpark stages inside a "
-            "DeepSeek-V4 checkpoint is unproven on this release and off "
-            f"({V4_ON_V1_SETTING}=on tries it)"
+            "DeepSeek-V4 checkpoint is off by default, proven lossless on the GPU in "
+            f"eager mode only ({V4_ON_V1_SETTING}=on serves it)"
         )
     if choice != "on":
         raise ValueError(
             f"speculative_config.model={draft}: the DSpark stages inside a DeepSeek-V4 "
             "checkpoint run on vLLM's V2 model runner (unset VLLM_USE_V2_MODEL_RUNNER); "
-            f"the overlay's V1 route for them is unproven and off ({V4_ON_V1_SETTING}=on "
-            "tries it)"
+            "the overlay's V1 route for them is off by default, proven lossless on the GPU "
+            f"in eager mode only ({V4_ON_V1_SETTING}=on serves it)"
         )
 
 
