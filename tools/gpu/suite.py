@@ -17,6 +17,7 @@ yields pass or fail with its figure. Writes ``OUT_DIR/gpu-results-<version>.json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -29,7 +30,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -1957,6 +1958,46 @@ def write_plain_variant(source: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=1))
 
 
+@contextlib.contextmanager
+def models_lock(models: Path) -> Iterator[None]:
+    """Hold the models folder alone: two releases' suites detached in one hold share it,
+    and a build that sees another's half-written checkpoint would remove it."""
+    import fcntl
+
+    models.mkdir(parents=True, exist_ok=True)
+    with open(models / ".build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_models(chosen: list[Job]) -> None:
+    """The models the chosen jobs name that the machine builds itself (each once)."""
+    if any(str(TINY_V4) in job.args for job in chosen) and not (TINY_V4 / "config.json").exists():
+        build = [sys.executable, str(REPO / "tools" / "build_tiny_v4.py"), str(TINY_V4)]
+        build += ["--live-tokens", str(V4_LIVE_TOKENS), "--layers", str(V4_LAYERS)]
+        subprocess.run(build, check=True)
+    if any(str(PLAIN_LLAMA) in job.args for job in chosen):
+        write_plain_variant(LLAMA, PLAIN_LLAMA)
+    if any(str(MIXTRAL) in job.args for job in chosen):
+        sys.path.insert(0, str(REPO / "tools"))
+        from build_tiny_model import build_mixtral
+
+        build_mixtral(str(LLAMA), str(MIXTRAL))
+    if any(str(DFLASH_DRAFT) in job.args for job in chosen):
+        sys.path.insert(0, str(REPO / "tools"))
+        from dspark_model import write_dflash_variant
+
+        write_dflash_variant(DRAFT, DFLASH_DRAFT)
+    if any(str(GATED_DRAFT) in job.args for job in chosen):
+        sys.path.insert(0, str(REPO / "tools"))
+        from dspark_model import write_markov_variant
+
+        write_markov_variant(DRAFT, GATED_DRAFT, "gated")
+
+
 def jobs_for(version: str, gpus: int = 1) -> list[Job]:
     from packaging.version import Version
 
@@ -2005,27 +2046,8 @@ def main() -> None:
     ]
     if args.job_timeout:
         chosen = [replace(j, timeout=max(j.timeout, args.job_timeout)) for j in chosen]
-    if any(str(TINY_V4) in job.args for job in chosen) and not (TINY_V4 / "config.json").exists():
-        build = [sys.executable, str(REPO / "tools" / "build_tiny_v4.py"), str(TINY_V4)]
-        build += ["--live-tokens", str(V4_LIVE_TOKENS), "--layers", str(V4_LAYERS)]
-        subprocess.run(build, check=True)
-    if any(str(PLAIN_LLAMA) in job.args for job in chosen):
-        write_plain_variant(LLAMA, PLAIN_LLAMA)
-    if any(str(MIXTRAL) in job.args for job in chosen):
-        sys.path.insert(0, str(REPO / "tools"))
-        from build_tiny_model import build_mixtral
-
-        build_mixtral(str(LLAMA), str(MIXTRAL))
-    if any(str(DFLASH_DRAFT) in job.args for job in chosen):
-        sys.path.insert(0, str(REPO / "tools"))
-        from dspark_model import write_dflash_variant
-
-        write_dflash_variant(DRAFT, DFLASH_DRAFT)
-    if any(str(GATED_DRAFT) in job.args for job in chosen):
-        sys.path.insert(0, str(REPO / "tools"))
-        from dspark_model import write_markov_variant
-
-        write_markov_variant(DRAFT, GATED_DRAFT, "gated")
+    with models_lock(MODELS):
+        build_models(chosen)
     scratch = Path(tempfile.mkdtemp(prefix="gpu-suite-"))
     at_once = min(args.jobs, V4_AT_ONCE) if args.part.startswith("v4") else args.jobs
     outcomes = run_jobs(chosen, at_once, started + args.deadline, scratch)
