@@ -95,3 +95,29 @@ def test_eager_v4_jobs_keep_vllm_caches_per_side_and_the_rest_per_call(tmp_path,
     assert roots["v4-nospec"] == roots["v4-dspark-overlay-v1-compiled"] == scratch / "vllm-cache"
     assert roots["v4-dspark-stock"] == kernels / "vllm-stock"
     assert roots["bench-dspark"] == scratch / "vllm-cache"
+
+
+def test_a_file_gone_while_packing_costs_the_hand_back_not_the_suite(tmp_path, monkeypatch):
+    """Another release's suite in the same hold removes a temporary file between the
+    listing and the reading of the folder. The moment is forced: a wrapper around
+    tarfile's own ``gettarinfo`` removes the file just before tarfile reads it."""
+    kernels = tmp_path / "kernels"
+    (kernels / "triton").mkdir(parents=True)
+    (kernels / "triton" / "kept.json").write_text("{}")
+    (kernels / "triton" / "tmp.partial").write_text("being written")
+    monkeypatch.setattr(suite, "KERNEL_CACHE", kernels)
+    original = tarfile.TarFile.gettarinfo
+
+    def gone_first(self, name=None, *args, **kwargs):
+        if name is not None and str(name).endswith("tmp.partial"):
+            os.unlink(name)
+        return original(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(tarfile.TarFile, "gettarinfo", gone_first)
+    out = tmp_path / "out"
+    out.mkdir()
+    line = suite.hand_back_kernel_cache(out)
+    assert line.startswith("kernel cache not handed back: ") and "tmp.partial" in line
+    assert not list(out.iterdir())  # no half archive left to be carried
+    # with the folder still, it is handed back whole
+    assert "handed back:" in suite.hand_back_kernel_cache(out)

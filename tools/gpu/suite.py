@@ -658,8 +658,15 @@ def hand_back_kernel_cache(out: Path) -> str:
     if not KERNEL_CACHE.is_dir():
         return "no kernel cache"
     archive = out / "kernel-cache.tar.gz"
-    with tarfile.open(archive, "w:gz") as packed:
-        packed.add(KERNEL_CACHE, arcname="gpu-kernels")
+    try:
+        with tarfile.open(archive, "w:gz") as packed:
+            packed.add(KERNEL_CACHE, arcname="gpu-kernels")
+    except OSError as error:
+        # another release's suite in the same hold may be building into the folder
+        # (a temporary file gone between listing and reading); its own hand-back,
+        # later, carries the whole cache
+        archive.unlink(missing_ok=True)
+        return f"kernel cache not handed back: {error}"
     size = archive.stat().st_size
     if size <= KERNEL_CACHE_LIMIT:
         return f"kernel cache handed back: {size / 2**20:.1f} MiB packed"
