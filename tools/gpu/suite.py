@@ -1982,6 +1982,7 @@ def models_lock(models: Path) -> Iterator[None]:
 
 def build_models(chosen: list[Job]) -> None:
     """The models the chosen jobs name that the machine builds itself (each once)."""
+    sys.path.insert(0, str(REPO / "tools"))
     if any(str(TINY_V4) in job.args for job in chosen) and not (TINY_V4 / "config.json").exists():
         build = [sys.executable, str(REPO / "tools" / "build_tiny_v4.py"), str(TINY_V4)]
         build += ["--live-tokens", str(V4_LIVE_TOKENS), "--layers", str(V4_LAYERS)]
@@ -1989,17 +1990,14 @@ def build_models(chosen: list[Job]) -> None:
     if any(str(PLAIN_LLAMA) in job.args for job in chosen):
         write_plain_variant(LLAMA, PLAIN_LLAMA)
     if any(str(MIXTRAL) in job.args for job in chosen):
-        sys.path.insert(0, str(REPO / "tools"))
         from build_tiny_model import build_mixtral
 
         build_mixtral(str(LLAMA), str(MIXTRAL))
     if any(str(DFLASH_DRAFT) in job.args for job in chosen):
-        sys.path.insert(0, str(REPO / "tools"))
         from dspark_model import write_dflash_variant
 
         write_dflash_variant(DRAFT, DFLASH_DRAFT)
     if any(str(GATED_DRAFT) in job.args for job in chosen):
-        sys.path.insert(0, str(REPO / "tools"))
         from dspark_model import write_markov_variant
 
         write_markov_variant(DRAFT, GATED_DRAFT, "gated")

@@ -298,8 +298,8 @@ def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
     (``v4_proposer``, through vLLM's V4 draft class, or on 0.20-0.24 the overlay's
     own, ``v4_stages``) only when asked for: on the GPU it is lossless eager at N = 5
     (the lossless matrix on 0.26.0 and 0.24.0, a batch of 8 on 0.20.2) and unproven with
-    CUDA graphs (``docs/dspark.md`` section 13). Otherwise, and on a
-    release with neither class, one line."""
+    CUDA graphs (``docs/dspark.md`` section 13). Otherwise, and on a release with
+    neither class, one line."""
     from vllm_v4_patches.dspark import checkpoint
     from vllm_v4_patches.toggles import read_choice
 
@@ -332,8 +332,8 @@ def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
         raise ValueError(
             f"speculative_config.model={draft}: vLLM {__version__} has no DSpark of its "
             "own; vllm_v4_patches' draft class for the DSpark stages inside a "
-            "DeepSeek-V4 checkpoint is off by default, proven lossless on the GPU in "
-            f"eager mode only ({V4_ON_V1_SETTING}=on serves it)"
+            "DeepSeek-V4 checkpoint is off by default, shown lossless on a GPU only in "
+            f"eager mode on 0.20.2 and 0.24.0 ({V4_ON_V1_SETTING}=on serves it)"
         )
     if choice != "on":
         raise ValueError(
