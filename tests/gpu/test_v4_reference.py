@@ -48,6 +48,10 @@ from pathlib import Path
 
 import pytest
 
+# about 530 s of one CPU core (transformers' V4 in float32 over the kept runs): the
+# committed runs it reads change only with a GPU session, so it is `make test-slow`'s
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 RUNS = REPO / "docs" / "gpu-runs"
 RUN = RUNS / "2026-12-04" / "0.26.0-8.json"

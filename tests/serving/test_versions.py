@@ -54,6 +54,13 @@ NGRAM_BROKEN_UPSTREAM = {
 PROFILE_COMPILES_BEFORE = Version("0.27.1")
 
 
+# every verified build; those outside the CI set are `make test-slow`'s (vllm_builds)
+BUILDS = [
+    v if v in vllm_builds.CI_BUILDS else pytest.param(v, marks=pytest.mark.slow)
+    for v in compat.E2E_VERIFIED
+]
+
+
 def build_env(version: str) -> dict[str, str]:
     """The environment an engine process on ``version`` gets on top of the test's."""
     if Version(version) < PROFILE_COMPILES_BEFORE:
@@ -134,7 +141,7 @@ def plan_build(runs: ModuleRuns, models: Inputs, version: str, **_) -> None:
         runs.submit(key, failing_run, models.target, version, overlay=True, extra=dspark)
 
 
-@pytest.mark.parametrize("version", compat.E2E_VERIFIED)
+@pytest.mark.parametrize("version", BUILDS)
 def test_outcomes_match_the_matrix_and_output_matches_stock(version, runs):
     """The plain run's output equals stock's; each process of the build's first
     multiprocess overlay run (DSpark, or plain where that is broken upstream)
@@ -150,7 +157,7 @@ def test_outcomes_match_the_matrix_and_output_matches_stock(version, runs):
         assert outcomes == expected, (doc["role"], outcomes, expected)
 
 
-@pytest.mark.parametrize("version", compat.E2E_VERIFIED)
+@pytest.mark.parametrize("version", BUILDS)
 def test_ngram_speculative_decoding_through_the_overlay_is_lossless(version, runs):
     """Greedy ngram output equals plain output (the overlay's plain run, checked
     against stock above). On a build where ngram is broken upstream, asserts that
@@ -165,7 +172,7 @@ def test_ngram_speculative_decoding_through_the_overlay_is_lossless(version, run
     assert overlay["ngram"]["token_ids"] == overlay["plain"]["token_ids"]
 
 
-@pytest.mark.parametrize("version", compat.E2E_VERIFIED)
+@pytest.mark.parametrize("version", BUILDS)
 def test_dspark_through_the_overlay_is_lossless(version, runs):
     """Greedy DSpark (the overlay's V1 drafter) equals the target alone on stock vLLM,
     with drafts really accepted. Where stock speculative decoding is broken
