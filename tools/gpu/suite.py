@@ -261,9 +261,10 @@ V4_WARP_NORM_BELOW = "0.21"
 
 def v4_matrix_jobs(v4: list[str], v1_env: dict, overlay_env: dict) -> list[Job]:
     jobs = []
-    releases = [(TINY_V4, {"min_version": V4_WARP_NORM_BELOW})]
-    releases.append((TINY_V4_WIDE, {"below_version": V4_WARP_NORM_BELOW}))
-    for model, where in releases:
+    for model, where in (
+        (TINY_V4, {"min_version": V4_WARP_NORM_BELOW}),
+        (TINY_V4_WIDE, {"below_version": V4_WARP_NORM_BELOW}),
+    ):
         engine = [str(model) if arg == str(TINY_V4) else arg for arg in v4]
         # the --prompts and --max-tokens given later win (argparse keeps the last)
         matrix = [*engine, "--prompts", *V4_MATRIX_PROMPTS, *V4_MATRIX]
