@@ -1,0 +1,88 @@
+"""The staging tool's chunks (``tools/gpu/stage.py``): a staged release with chunks
+larger than a call can carry beside the tree is split again without changing the
+joined tar, a damaged one is refused, and one chunk still fits a call beside the
+tracked tree. Real files in a temporary folder; no download."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# what one device call carries (the tree and its carry paths) is 64 MiB, but a call of
+# 63.9 MiB by file sizes was refused (2026-12-07): keep 4 MiB of room
+CALL_ROOM = 60 * 2**20
+
+
+@pytest.fixture()
+def stage(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_stage", REPO / "tools" / "gpu" / "stage.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_stage", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def staged(stage, root: Path, payload: bytes, chunk_bytes: int) -> Path:
+    out = root / "0.0.0-v4"
+    out.mkdir()
+    tarball = root / "wheels.tar"
+    tarball.write_bytes(payload)
+    stage.CHUNK_BYTES = chunk_bytes
+    chunks = stage.split(tarball, out)
+    manifest = {"vllm": "0.0.0", "tar_sha256": hashlib.sha256(payload).hexdigest()}
+    (out / "manifest.json").write_text(json.dumps({**manifest, "chunks": chunks}))
+    return out
+
+
+def joined(out: Path) -> bytes:
+    manifest = json.loads((out / "manifest.json").read_text())
+    return b"".join((out / c).read_bytes() for c in manifest["chunks"])
+
+
+def test_rechunk_splits_large_chunks_keeping_the_tar(stage, tmp_path):
+    payload = bytes(range(256)) * 40
+    out = staged(stage, tmp_path, payload, chunk_bytes=4000)
+    assert len(json.loads((out / "manifest.json").read_text())["chunks"]) == 3
+    stage.CHUNK_BYTES = 1000
+    assert stage.rechunk(out) == out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["chunks"]) == 11
+    assert sorted(p.name for p in out.glob("chunk-*")) == manifest["chunks"]
+    assert all((out / c).stat().st_size <= 1000 for c in manifest["chunks"])
+    assert joined(out) == payload
+    assert manifest["tar_sha256"] == hashlib.sha256(payload).hexdigest()
+
+
+def test_rechunk_leaves_small_chunks_alone(stage, tmp_path):
+    out = staged(stage, tmp_path, b"x" * 2500, chunk_bytes=1000)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    stage.rechunk(out)
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def test_rechunk_refuses_chunks_that_do_not_match_the_manifest(stage, tmp_path):
+    out = staged(stage, tmp_path, b"y" * 5000, chunk_bytes=4000)
+    (out / "chunk-01").write_bytes(b"z" * 1000)
+    stage.CHUNK_BYTES = 1000
+    with pytest.raises(SystemExit, match="sha256"):
+        stage.rechunk(out)
+    assert (out / "chunk-00").stat().st_size == 4000  # the staged folder is untouched
+
+
+def test_a_chunk_fits_a_call_beside_the_tracked_tree(stage):
+    files = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    tree = sum((REPO / f.decode()).stat().st_size for f in files if f)
+    manifest = 64 * 2**10  # the manifest travels with the first chunk
+    assert tree + stage.CHUNK_BYTES + manifest < CALL_ROOM, (
+        f"the tracked tree ({tree / 2**20:.1f} MiB) and one {stage.CHUNK_BYTES / 2**20:.0f} "
+        "MiB chunk no longer fit one call: lower CHUNK_BYTES or prune docs/gpu-runs"
+    )
