@@ -42,7 +42,8 @@ def built_experts(model: Path) -> int:
 
 def matrix_models(version: str) -> set[str]:
     jobs = [job for job in suite.jobs_for(version) if job.part == "v4-matrix"]
-    assert {job.name for job in jobs} == {"v4-matrix-reference", "v4-matrix-n5"}
+    names = {"v4-matrix-reference", "v4-matrix-n5", "v4-hash-routing"}
+    assert {job.name for job in jobs} == names
     return {arg for job in jobs for arg in job.args if "tiny-v4" in arg}
 
 

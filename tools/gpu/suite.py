@@ -64,6 +64,8 @@ HEAVY_PLUGIN = REPO / "tools" / "heavy_target_plugin"
 # device time added to every target forward: a target bound by its weights' reads
 HEAVY_TARGET = {"HEAVY_TARGET_US": "4000"}
 GENERATE = str(REPO / "tools" / "generate.py")
+# does the routing kernel route a token alone as in a batch (the matrix's premise)
+HASH_ROUTING = str(REPO / "tools" / "gpu" / "hash_routing_probe.py")
 RECORD_DRAFTS = str(REPO / "tools" / "record_dspark_drafts.py")
 # its attention layout (fp8_ds_mla) takes an fp8 KV cache only
 V4_ENGINE = ["--dtype", "bfloat16", "--kv-cache-dtype", "fp8"]
@@ -256,7 +258,11 @@ V4_REFUSED_SPEC_TOKENS = ("3", "7")
 # 0.21 the matrix serves 128 experts, one token a warp, as the real 256 are.
 TINY_V4_WIDE = MODELS / "tiny-v4-e128"
 V4_WIDE_EXPERTS = 128
+V4_EXPERTS = 8  # tools/build_tiny_v4.py's default, the matrix's model from 0.21
 V4_WARP_NORM_BELOW = "0.21"
+# a token's float32 routed weights (order one) alone and in a batch: the same
+# arithmetic gives the same bits, so anything past rounding is another token's share
+ROUTING_TOLERANCE = 1e-6
 
 
 def v4_matrix_jobs(v4: list[str], v1_env: dict, overlay_env: dict) -> list[Job]:
@@ -273,6 +279,9 @@ def v4_matrix_jobs(v4: list[str], v1_env: dict, overlay_env: dict) -> list[Job]:
         for n in V4_MATRIX_SPEC_TOKENS:
             spec = [*matrix, "--dspark", str(model), "--spec-tokens", n]
             jobs.append(Job(f"v4-matrix-n{n}", spec, True, overlay_env, part="v4-matrix", **where))
+    jobs.append(
+        Job("v4-hash-routing", [HASH_ROUTING], False, v1_env, part="v4-matrix", timeout=180)
+    )
     return jobs
 
 
@@ -1133,6 +1142,44 @@ def drafts_equal_recompute(jobs: tuple[str, ...], twins: str = "fresh") -> Check
     return check
 
 
+def routes_alone_as_in_batch(job: str) -> Check:
+    """The matrix's premise: with float32 router logits, as V4's gate gives them, the
+    routing kernel gives each token of the matrix's model (128 experts below
+    ``V4_WARP_NORM_BELOW``, else 8) the same experts and weights alone as in a batch,
+    in hash and in learned layers. The figure gives every expert count the probe
+    routed, so a kernel that mixes tokens at another count shows too."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        from packaging.version import Version
+
+        got = result_of(outcomes, job)
+        wide = Version(got["vllm"]) < Version(V4_WARP_NORM_BELOW)
+        experts = V4_WIDE_EXPERTS if wide else V4_EXPERTS
+        float32 = [c for c in got["cases"] if c["logits"] == "float32"]
+        ours = [c for c in float32 if c["experts"] == experts]
+        if len(ours) != 2:
+            raise Missing(f"{job}: no float32 cases for {experts} experts (hash and learned)")
+        errors = [c for c in ours if "error" in c]
+        if errors:
+            return False, f"{experts} experts: {errors[0]['error'][:200]}"
+        ok = all(c["experts_agree"] and c["batch_vs_alone"] <= ROUTING_TOLERANCE for c in ours)
+
+        def describe(case: dict) -> str:
+            kind = "hash" if case["hash_layer"] else "learned"
+            if "error" in case:
+                return f"{case['experts']} {kind}: {case['error'][:80]}"
+            agree = "" if case["experts_agree"] else ", experts differ"
+            return (
+                f"{case['experts']} {kind}: alone-vs-batch {case['batch_vs_alone']:.3g}, "
+                f"batch-vs-reference {case['batch_vs_reference']:.3g}{agree}"
+            )
+
+        cases = "; ".join(describe(c) for c in float32)
+        return ok, f"matrix model {experts} experts ({got['vllm']}): {cases}"
+
+    return check
+
+
 def lossless_in_every_phase(reference: str, job: str) -> Check:
     """The lossless matrix of one engine (``generate.py --phases``): in the batch
     (chunked prefill, and the preemptions a small KV cache forces), for prompts served
@@ -1832,6 +1879,8 @@ CHECKS: dict[str, Check] = {
     "v4 (diagnostic): draft step against target forward, batch 1 and 64": step_figures(
         "v4-dspark-overlay-v1-steps", "v4-dspark-overlay-v1"
     ),
+    "v4 matrix: the matrix's model routes a token alone as in a batch (float32 "
+    "router logits)": routes_alone_as_in_batch("v4-hash-routing"),
     **{
         f"v4 matrix: DSpark N={n} through the overlay on V1, lossless in every phase": (
             lossless_in_every_phase("v4-matrix-reference", f"v4-matrix-n{n}")
