@@ -3,6 +3,11 @@ alone as inside a batch? Run on the GPU with a staged release importable:
 
     tools/gpu/run.sh python 0.20.2-v4 tools/gpu/hash_routing_probe.py
 
+or with only the release's MoE library carried (``vllm/_moe_C.abi3.so`` from its
+wheel; ``_moe_C_stable_libtorch.abi3.so`` from 0.24), loaded into the machine's torch:
+
+    python3 tools/gpu/hash_routing_probe.py --library PATH --vllm VERSION
+
 DeepSeek-V4 routes with ``_moe_C.topk_softplus_sqrt`` (through
 ``vllm._custom_ops.topk_hash_softplus_sqrt``): hash layers take their experts from a
 token-id table, the others the top-k of the scores plus a bias; the chosen scores are
@@ -114,14 +119,38 @@ def all_cases(ops, device: str = "cuda") -> list[dict]:
     return cases
 
 
-def main() -> int:
-    import torch
-    import vllm
-    from vllm import _custom_ops as ops
+class LoadedLibrary:
+    """The kernel straight from a loaded ``_moe_C`` library: the same arguments, in
+    the same order, as ``vllm._custom_ops.topk_hash_softplus_sqrt`` passes them."""
 
+    def topk_hash_softplus_sqrt(self, *args) -> None:
+        import torch
+
+        torch.ops._moe_C.topk_softplus_sqrt(*args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--library", help="a release's _moe_C library, instead of vllm")
+    parser.add_argument("--vllm", help="the release the library is from (with --library)")
+    args = parser.parse_args(argv)
+    if args.library:
+        if not args.vllm:
+            parser.error("--library needs --vllm VERSION (the release it is from)")
+        torch.ops.load_library(args.library)
+        ops, version = LoadedLibrary(), args.vllm
+    else:
+        import vllm
+        from vllm import _custom_ops as ops
+
+        version = vllm.__version__
     cases = all_cases(ops)
     device = torch.cuda.get_device_name()
-    print("RESULT " + json.dumps({"vllm": vllm.__version__, "device": device, "cases": cases}))
+    print("RESULT " + json.dumps({"vllm": version, "device": device, "cases": cases}))
     return 0
 
 
