@@ -86,3 +86,37 @@ def test_a_chunk_fits_a_call_beside_the_tracked_tree(stage):
         f"the tracked tree ({tree / 2**20:.1f} MiB) and one {stage.CHUNK_BYTES / 2**20:.0f} "
         "MiB chunk no longer fit one call: lower CHUNK_BYTES or prune docs/gpu-runs"
     )
+
+
+def staged_wheel(stage, root: Path, members: dict[str, bytes]) -> Path:
+    """A staged release whose tar holds one vLLM wheel with these members."""
+    import io
+    import tarfile
+    import zipfile
+
+    wheel = io.BytesIO()
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    tar_bytes = io.BytesIO()
+    with tarfile.open(fileobj=tar_bytes, mode="w") as tar:
+        info = tarfile.TarInfo("wheels/vllm-0.0.0-cp38-abi3-manylinux_2_35_x86_64.whl")
+        info.size = len(wheel.getvalue())
+        tar.addfile(info, io.BytesIO(wheel.getvalue()))
+    return staged(stage, root, tar_bytes.getvalue(), chunk_bytes=4096)
+
+
+@pytest.mark.parametrize("name", ["_moe_C.abi3.so", "_moe_C_stable_libtorch.abi3.so"])
+def test_the_moe_library_comes_out_of_the_staged_wheel(stage, tmp_path, name):
+    library = bytes(range(256)) * 50  # spans several chunks
+    members = {f"vllm/{name}": library, "vllm/_C.abi3.so": b"other", "vllm/__init__.py": b""}
+    out = staged_wheel(stage, tmp_path, members)
+    dest = stage.extract_moe_library(out, tmp_path / "probe")
+    assert dest == tmp_path / "probe" / "0.0.0" / name
+    assert dest.read_bytes() == library
+
+
+def test_a_wheel_without_the_moe_library_is_refused(stage, tmp_path):
+    out = staged_wheel(stage, tmp_path, {"vllm/_C.abi3.so": b"other"})
+    with pytest.raises(SystemExit, match="no vllm/_moe_C library"):
+        stage.extract_moe_library(out, tmp_path / "probe")

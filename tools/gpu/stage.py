@@ -2,6 +2,7 @@
 
     python tools/gpu/stage.py 0.26.0            # -> .cache/gpu-stage/0.26.0/chunk-*
     python tools/gpu/stage.py 0.26.0 --v4       # plus what DeepSeek-V4's NVIDIA path imports
+    python tools/gpu/stage.py 0.20.2 --moe-library  # and its MoE kernels alone, one call's carry
 
 The GPU machine reaches no package index and takes at most 64 MiB per call, so the
 release travels as wheels split into chunks, one chunk per call (``tools/gpu/run.sh``
@@ -35,6 +36,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 STAGE_ROOT = REPO / ".cache" / "gpu-stage"
+# the routing probe's carry (tools/gpu/hash_routing_probe.py --library): the release's
+# MoE kernel library alone, 37-44 MiB, so one call on a fresh machine runs it
+PROBE_ROOT = REPO / ".cache" / "gpu-probe"
+MOE_LIBRARY = re.compile(r"^vllm/_moe_C(_stable_libtorch)?\.abi3\.so$")
 # the GPU image's torch family; a local "+stand.in" version satisfies an exact pin
 TORCH_STAND_INS = {"torch": "2.11.0", "torchaudio": "2.11.0", "torchvision": "0.26.0"}
 PLATFORM_TAGS = [
@@ -236,6 +241,26 @@ def rechunk(out: Path) -> Path:
     return out
 
 
+def extract_moe_library(staged: Path, dest_root: Path = PROBE_ROOT) -> Path:
+    """The staged release's MoE kernel library, from the vLLM wheel in its chunks, as
+    ``dest_root/VERSION/NAME`` (the routing probe loads it into the machine's torch)."""
+    import io
+    import tarfile
+
+    manifest = json.loads((staged / "manifest.json").read_text())
+    joined = b"".join((staged / c).read_bytes() for c in manifest["chunks"])
+    with tarfile.open(fileobj=io.BytesIO(joined)) as tar:
+        wheel = next(m for m in tar.getmembers() if Path(m.name).name.startswith("vllm-"))
+        with zipfile.ZipFile(io.BytesIO(tar.extractfile(wheel).read())) as archive:
+            member = next((n for n in archive.namelist() if MOE_LIBRARY.match(n)), None)
+            if member is None:
+                raise SystemExit(f"{wheel.name}: no vllm/_moe_C library in the wheel")
+            dest = dest_root / manifest["vllm"] / Path(member).name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(archive.read(member))
+    return dest
+
+
 def split(tarball: Path, dest: Path) -> list[str]:
     names = []
     with tarball.open("rb") as source:
@@ -250,9 +275,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("version", help="a vLLM release pinning torch 2.11 (0.20.x-0.26.0)")
     parser.add_argument("--v4", action="store_true", help="keep DeepSeek-V4's NVIDIA deps")
+    parser.add_argument(
+        "--moe-library",
+        action="store_true",
+        help="also copy the release's MoE kernel library to .cache/gpu-probe/VERSION",
+    )
     parser.add_argument("extras", nargs="*", help="more requirements to stage")
     args = parser.parse_args()
     out = stage(args.version, args.v4, args.extras)
+    if args.moe_library:
+        library = extract_moe_library(out)
+        print(f"{library.relative_to(REPO)}: {library.stat().st_size / 2**20:.1f} MiB")
     manifest = json.loads((out / "manifest.json").read_text())
     size = manifest["tar_bytes"] / 2**20
     print(
