@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "gpu"))
 
 import hash_routing_probe as probe  # noqa: E402
+from test_v4_matrix_model import rows_per_warp  # noqa: E402  the kernel's arithmetic
 
 import suite  # noqa: E402
 
@@ -55,15 +56,9 @@ class WarpSum(PerToken):
         super().topk_hash_softplus_sqrt(weights, ids, token_expert, logits, *rest)
 
     def normalise(self, chosen: torch.Tensor) -> torch.Tensor:
-        per_warp = max(1, 128 // self.experts)  # 32 lanes, 4 float32 experts a lane
-        sums = chosen.sum(-1)
-        shared = torch.stack(
-            [
-                sums[(i // per_warp) * per_warp : (i // per_warp + 1) * per_warp].sum()
-                for i in range(len(sums))
-            ]
-        )
-        return chosen / shared[:, None]
+        warp = torch.arange(len(chosen)) // rows_per_warp(self.experts)
+        sums = torch.zeros(int(warp[-1]) + 1).index_add_(0, warp, chosen.sum(-1))
+        return chosen / sums[warp][:, None]
 
 
 def verdict(kernel, version: str) -> tuple[bool, str]:

@@ -215,25 +215,28 @@ def stage(version: str, with_v4: bool, extras: list[str]) -> Path:
     return out
 
 
+def joined_tar(staged: Path) -> bytes:
+    """A staged release's chunks joined into its tar, checked against the manifest."""
+    manifest = json.loads((staged / "manifest.json").read_text())
+    joined = b"".join((staged / c).read_bytes() for c in manifest["chunks"])
+    if hashlib.sha256(joined).hexdigest() != manifest["tar_sha256"]:
+        raise SystemExit(f"{staged}: the chunks do not match the manifest's sha256; stage again")
+    return joined
+
+
 def rechunk(out: Path) -> Path:
     """A staged release whose chunks are larger than CHUNK_BYTES, split again (the
     joined tar and its sha256 are unchanged; only the manifest's chunk list is)."""
     manifest = json.loads((out / "manifest.json").read_text())
     if all((out / c).stat().st_size <= CHUNK_BYTES for c in manifest["chunks"]):
         return out
+    joined = joined_tar(out)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:
         tarball = Path(tmp) / "wheels.tar"
-        digest = hashlib.sha256()
-        with tarball.open("wb") as joined:
-            for chunk in manifest["chunks"]:
-                data = (out / chunk).read_bytes()
-                digest.update(data)
-                joined.write(data)
-        if digest.hexdigest() != manifest["tar_sha256"]:
-            raise SystemExit(f"{out}: the chunks do not match the manifest's sha256; stage again")
+        tarball.write_bytes(joined)
         manifest["chunks"] = split(tarball, partial)
     (partial / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     shutil.rmtree(out)
@@ -247,15 +250,14 @@ def extract_moe_library(staged: Path, dest_root: Path = PROBE_ROOT) -> Path:
     import io
     import tarfile
 
-    manifest = json.loads((staged / "manifest.json").read_text())
-    joined = b"".join((staged / c).read_bytes() for c in manifest["chunks"])
-    with tarfile.open(fileobj=io.BytesIO(joined)) as tar:
+    version = json.loads((staged / "manifest.json").read_text())["vllm"]
+    with tarfile.open(fileobj=io.BytesIO(joined_tar(staged))) as tar:
         wheel = next(m for m in tar.getmembers() if Path(m.name).name.startswith("vllm-"))
         with zipfile.ZipFile(io.BytesIO(tar.extractfile(wheel).read())) as archive:
             member = next((n for n in archive.namelist() if MOE_LIBRARY.match(n)), None)
             if member is None:
                 raise SystemExit(f"{wheel.name}: no vllm/_moe_C library in the wheel")
-            dest = dest_root / manifest["vllm"] / Path(member).name
+            dest = dest_root / version / Path(member).name
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(archive.read(member))
     return dest
