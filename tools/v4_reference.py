@@ -1,6 +1,6 @@
 """An independent reference for the shrunken DeepSeek-V4 and its DSpark stages.
 
-    python tools/v4_reference.py CHECKPOINT RUN.json [--job JOB] [--work DIR]
+    python tools/v4_reference.py CHECKPOINT RUN.json[.gz] [--job JOB] [--work DIR]
 
 The target is Hugging Face transformers' own ``DeepseekV4ForCausalLM`` (float32, on
 the CPU), loaded through its own loader from a dequantised copy of the checkpoint
@@ -587,7 +587,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     reference = Reference(args.checkpoint, args.work, args.hash_norm)
-    results = json.loads(args.run.read_text())["results"]
+    sys.path.insert(0, str(HERE / "gpu"))
+    from record import read_run  # a kept run is gzipped
+
+    results = read_run(args.run)["results"]
     report: dict[str, Any] = {"hash_norm": args.hash_norm}
     if not args.only_teacher_forced:
         report.update(served_job_report(reference, results, args))

@@ -56,7 +56,7 @@ def test_each_merged_check_names_the_card_of_its_run():
     for version, entry in compat.load_gpu_results()["versions"].items():
         runs = {check["run"]: check["gpu"] for check in entry["checks"].values()}
         for kept_run, card in runs.items():
-            assert json.loads((REPO / kept_run).read_text())["gpu"] == card, version
+            assert record.read_run(REPO / kept_run)["gpu"] == card, version
 
 
 def test_the_required_releases_were_run_on_a_gpu():

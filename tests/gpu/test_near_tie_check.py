@@ -8,13 +8,13 @@ of the threshold.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "gpu"))
 
+import record  # noqa: E402
 import suite  # noqa: E402
 
 KEPT = REPO / "docs" / "gpu-runs" / "2026-12-03" / "harness-faults"
@@ -33,8 +33,8 @@ def test_two_h200_runs_without_gaps_fail_where_they_part() -> None:
     """The same V4 engine twice on one machine parted (numeric noise on random
     weights); without the reference's gaps nothing says the parting was a near-tie,
     so the comparison fails and names where."""
-    first = json.loads((KEPT / "0.26.0-v4-3.json").read_text())["results"]["v4-nospec-eager"]
-    second = json.loads((KEPT / "0.26.0-v4-4.json").read_text())["results"]["v4-nospec-eager"]
+    first = record.read_run(KEPT / "0.26.0-v4-3.json.gz")["results"]["v4-nospec-eager"]
+    second = record.read_run(KEPT / "0.26.0-v4-4.json.gz")["results"]["v4-nospec-eager"]
     passed, figure = compare(first, second)
     assert not passed
     assert "(0, None)" in figure  # the first sequence parted at its first token

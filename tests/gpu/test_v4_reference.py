@@ -3,7 +3,7 @@
 the CPU, on the shrunken checkpoint's decoded weights, with the DSpark block written
 from the draft's definition around its decoder layers.
 
-The record is the committed GPU run ``docs/gpu-runs/2026-12-04/0.26.0-8`` (vLLM
+The record is the committed GPU run ``docs/gpu-runs/2026-12-04/0.26.0-8.json.gz`` (vLLM
 0.26.0, the overlay's V1 route, eager, N = 5): its greedy sequences and, for 94
 served draft blocks, each block's committed prefix, anchor and base logits on the
 16 live token ids. The checkpoint is rebuilt here with the suite's arguments (the
@@ -54,14 +54,14 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 RUNS = REPO / "docs" / "gpu-runs"
-RUN = RUNS / "2026-12-04" / "0.26.0-8.json"
+RUN = RUNS / "2026-12-04" / "0.26.0-8.json.gz"
 JOB = "v4-dspark-overlay-v1-exact-served"
 sys.path.insert(0, str(REPO / "tools"))
 sys.path.insert(0, str(REPO / "tools" / "gpu"))
 # per release, the committed run whose engines scored their own answers, and the jobs
 RELEASE_SCORES = {
-    "0.20.2": (RUNS / "2026-12-05" / "0.20.2-3.json", ["v4-nospec-eager"], "warp"),
-    "0.26.0": (RUNS / "2026-12-04" / "0.26.0-9.json", ["v4-nospec-eager-again"], "row"),
+    "0.20.2": (RUNS / "2026-12-05" / "0.20.2-3.json.gz", ["v4-nospec-eager"], "warp"),
+    "0.26.0": (RUNS / "2026-12-04" / "0.26.0-9.json.gz", ["v4-nospec-eager-again"], "row"),
 }
 
 

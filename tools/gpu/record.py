@@ -5,7 +5,8 @@
 
 A run directory is what ``tools/gpu/suite.py`` wrote under ``$OUT``
 (``gpu-results-<version>.json`` and ``logs-<version>.tar.gz``). Each run is copied
-to ``docs/gpu-runs/<date>/`` and its checks are evaluated again with the suite's
+to ``docs/gpu-runs/<date>/`` (gzipped: the kept runs travel with every device
+call) and its checks are evaluated again with the suite's
 current checks from what the run saved (outputs, logs, status files), so a check
 that was corrected later reads the same evidence anew; a check the run cannot
 answer again keeps its recorded verdict. A later run's verdict on a check replaces
@@ -19,6 +20,7 @@ throughput figures.
 from __future__ import annotations
 
 import argparse
+import gzip
 import io
 import json
 import re
@@ -30,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 RESULTS = REPO / "vllm_v4_patches" / "gpu_results.json"
 RUNS = REPO / "docs" / "gpu-runs"
+KEPT_SUFFIX = ".json.gz"
 sys.path.insert(0, str(HERE))
 
 from suite import CHECKS, OMITTED, UPSTREAM_FAULTS, Outcome, evaluate  # noqa: E402
@@ -85,9 +88,9 @@ def record(run_dir: Path, results: dict) -> None:
     version = run["vllm"]
     kept = RUNS / run["date"]
     kept.mkdir(parents=True, exist_ok=True)
-    serial = len(list(kept.glob(f"{version}-*.json"))) + 1
-    kept_as = kept / f"{version}-{serial}.json"
-    kept_as.write_text(scrub(run_file.read_text()))
+    serial = len(list(kept.glob(f"{version}-*{KEPT_SUFFIX}"))) + 1
+    kept_as = kept / f"{version}-{serial}{KEPT_SUFFIX}"
+    kept_as.write_bytes(gzip.compress(scrub(run_file.read_text()).encode(), mtime=0))
     copy_scrubbed(run_file.with_name(f"logs-{version}.tar.gz"), logs_of(kept_as))
     merge(results, kept_as)
 
@@ -108,21 +111,31 @@ def scrub(text: str) -> str:
     return text.replace(str(REPO), "REPO")
 
 
+def read_run(kept_run: Path) -> dict:
+    """A kept run (gzipped JSON), or a run as the suite wrote it (plain JSON)."""
+    data = kept_run.read_bytes()
+    return json.loads(gzip.decompress(data) if kept_run.name.endswith(".gz") else data)
+
+
+def run_name(kept_run: Path) -> str:
+    return kept_run.name.removesuffix(KEPT_SUFFIX).removesuffix(".json")
+
+
 def logs_of(kept_run: Path) -> Path:
-    return kept_run.with_name(kept_run.name.removesuffix(".json") + ".logs.tar.gz")
+    return kept_run.with_name(run_name(kept_run) + ".logs.tar.gz")
 
 
 def recorded_runs() -> list[Path]:
     """The kept runs, oldest first (by date, then serial within a release)."""
     return sorted(
-        RUNS.glob("*/*.json"),
-        key=lambda p: (p.parent.name, p.name.split("-")[0], int(p.stem.split("-")[-1])),
+        RUNS.glob(f"*/*{KEPT_SUFFIX}"),
+        key=lambda p: (p.parent.name, run_name(p).split("-")[0], int(run_name(p).split("-")[-1])),
     )
 
 
 def merge(results: dict, kept_run: Path) -> None:
     """Merge one kept run's verdicts, evaluated again with the current checks."""
-    run = json.loads(kept_run.read_text())
+    run = read_run(kept_run)
     version = run["vllm"]
     entry = results["versions"].setdefault(version, {"checks": {}, "throughput": {}})
     entry.update(torch=run["torch"], cuda=run["driver_cuda"])
