@@ -143,19 +143,20 @@ def plan_teacher_forced(runs: ModuleRuns, inputs: Inputs) -> None:
 
 
 def test_teacher_forced_scoring_passes_dspark_and_catches_a_lossy_verifier(runs):
-    """The GPU suite's V4 lossless check (``teacher_verdict``: every answer token the
-    target's own pick under teacher forcing, and control answers caught) on real
-    engines: DSpark's answers pass at the near-tie bound; the same engine with a
+    """The GPU suite's V4 lossless check (``teacher_verdict``: answers as near the
+    target's own picks under teacher forcing as stock's, and control answers caught)
+    on real engines, with no stock run to calibrate it (the CPU engine is exact: no
+    token may stray past a near-tie): DSpark's answers pass; the same engine with a
     verifier that emits every draft token (``generate.py --accept-drafts``, a fault
     injected for this control) fails it, though its answers are as long."""
     sys.path.insert(0, str(REPO / "tools" / "gpu"))
     import suite
 
     greedy, lossy = runs["greedy"], runs["lossy"]
-    passed, figure = suite.teacher_verdict(greedy["teacher_forced"], suite.NEAR_TIE)
+    passed, figure = suite.teacher_verdict(greedy["teacher_forced"], [])
     assert passed, figure
     assert lossy["token_ids"] != greedy["token_ids"]
-    passed, figure = suite.teacher_verdict(lossy["teacher_forced"], suite.NEAR_TIE)
+    passed, figure = suite.teacher_verdict(lossy["teacher_forced"], [])
     assert not passed, figure
 
 
