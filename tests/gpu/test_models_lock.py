@@ -43,3 +43,45 @@ def test_two_suites_take_the_models_folder_in_turn(tmp_path):
     assert race(tmp_path, locked=True) == ["enter", "leave", "enter", "leave"]
     # the control: without the lock the two overlap
     assert race(tmp_path, locked=False) == ["enter", "enter", "leave", "leave"]
+
+
+def test_a_prebuild_holds_the_folder_until_its_model_is_written(tmp_path, monkeypatch):
+    """``run.sh prebuild`` (``suite.prebuild``) builds under the same lock, so a suite
+    detached while it runs waits and then finds the model. The build command is a
+    stand-in that writes the config after a pause (the real one writes 11 GB)."""
+    sys.path.insert(0, str(REPO / "tools" / "gpu"))
+    import threading
+
+    import suite
+
+    wide = tmp_path / "models" / suite.TINY_V4_WIDE.name
+    monkeypatch.setattr(suite, "MODELS", tmp_path / "models")
+    monkeypatch.setattr(suite, "TINY_V4_WIDE", wide)
+    write = f"import time, pathlib; time.sleep(1.0); p = pathlib.Path({str(wide)!r}); "
+    write += "p.mkdir(parents=True); (p / 'config.json').write_text('{}')"
+    monkeypatch.setattr(suite, "v4_build", lambda model: [sys.executable, "-c", write])
+    builder = threading.Thread(target=suite.prebuild, args=(wide.name,))
+    builder.start()
+    time.sleep(0.3)  # the builder holds the lock by now
+    with suite.models_lock(suite.MODELS):
+        assert (wide / "config.json").exists()
+    builder.join(timeout=30)
+
+
+def test_prebuild_of_a_model_the_suite_does_not_build_is_one_line():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, 'tools/gpu'); import suite; "
+            "suite.prebuild('tiny-v4-e7')",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "prebuild: 'tiny-v4-e7' is not a model the suite builds (tiny-v4, tiny-v4-e128)"
+    ]

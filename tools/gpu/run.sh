@@ -6,6 +6,8 @@
 #   tools/gpu/run.sh python VERSION ARGS    install the release (once), run python3 ARGS
 #   tools/gpu/run.sh detach VERSION [ARGS]  as suite, but in its own process session
 #   tools/gpu/run.sh collect VERSION [WAIT] wait up to WAIT s for it; hand back its files
+#   tools/gpu/run.sh prebuild VERSION MODEL build a suite model (tiny-v4-e128) in the
+#                                           background while chunks still travel
 # A detached suite outlives the call that starts it (it runs until the machine goes
 # back), so its engines keep their compiled kernels past one call's 10 minutes; later
 # calls collect it, each waiting inside its own limit.
@@ -112,6 +114,16 @@ collect() {
   cp "$detached/log" "${OUT:-/tmp/gpu-out}"/suite-$version.log
 }
 
+# the suite's models lock is taken inside the build, so a suite detached later waits
+# for it: no wait loop in the calling shell (pgrep -f matches that shell's own line)
+prebuild() {
+  local model=$1 logs=/tmp/gpu-prebuild
+  mkdir -p "$logs"
+  setsid python3 -c 'import sys; sys.path.insert(0, "tools/gpu"); import suite; suite.prebuild(sys.argv[1])' \
+    "$model" >"$logs/$model.log" 2>&1 </dev/null &
+  echo "building $model in the background: log $logs/$model.log"
+}
+
 # what every command that runs the release needs first
 prepare() {
   receive
@@ -141,9 +153,10 @@ case $command in
     detach "$@"
     ;;
   collect) collect "$@" ;;
+  prebuild) prebuild "$@" ;;
   python)
     prepare
     with_site python3 "$@"
     ;;
-  *) echo "usage: tools/gpu/run.sh receive|install|suite|detach|collect|python VERSION [args]" >&2; exit 2 ;;
+  *) echo "usage: tools/gpu/run.sh receive|install|suite|detach|collect|prebuild|python VERSION [args]" >&2; exit 2 ;;
 esac

@@ -2148,6 +2148,21 @@ def v4_build(model: Path) -> list[str]:
     return command + (["--experts", str(V4_WIDE_EXPERTS)] if model == TINY_V4_WIDE else [])
 
 
+def prebuild(name: str) -> None:
+    """Build one shrunken V4 checkpoint of the suite under the models lock
+    (``run.sh prebuild``): a suite started later waits for it, then finds it built."""
+    model = {model.name: model for model in (TINY_V4, TINY_V4_WIDE)}.get(name)
+    if model is None:
+        sys.exit(
+            f"prebuild: {name!r} is not a model the suite builds ({TINY_V4.name}, "
+            f"{TINY_V4_WIDE.name})"
+        )
+    with models_lock(MODELS):
+        if not (model / "config.json").exists():
+            subprocess.run(v4_build(model), check=True)
+    print(f"prebuild: {model.name} ready")
+
+
 def build_models(chosen: list[Job]) -> None:
     """The models the chosen jobs name that the machine builds itself (each once)."""
     sys.path.insert(0, str(REPO / "tools"))
