@@ -1935,23 +1935,23 @@ CHECKS: dict[str, Check] = {
     "v4 (diagnostic): overlay DSpark on V1 against stock DSpark on V2, token for token": (
         same_until_near_tie("v4-dspark-stock", "v4-dspark-overlay-v1")
     ),
-    "v4: stock DSpark (V2): every answer token the target's own pick up to V2's own gaps": (
+    "v4: stock DSpark (V2): answers as near the target's picks as V2's own (teacher-forced)": (
         teacher_forced_lossless("v4-dspark-stock", ("v4-nospec-v2",))
     ),
-    "v4: overlay DSpark on V1, eager: every answer token the target's own pick": (
+    "v4: overlay DSpark on V1, eager: answers as near the target's picks as stock's "
+    "(teacher-forced)": (
         teacher_forced_lossless("v4-dspark-overlay-v1", ("v4-nospec-eager",), ("v4-dspark-stock",))
     ),
-    "v4: overlay DSpark on V1, compiled: every answer token the target's own pick": (
-        teacher_forced_lossless("v4-dspark-overlay-v1-compiled", ("v4-nospec",))
-    ),
+    "v4: overlay DSpark on V1, compiled: answers as near the target's picks as stock's "
+    "(teacher-forced)": (teacher_forced_lossless("v4-dspark-overlay-v1-compiled", ("v4-nospec",))),
     **{
         f"v4 (diagnostic): no speculation, not eager, CUDA graphs {mode[-1]}, equals eager "
         "up to near-ties": same_until_near_tie("v4-nospec-eager", f"v4-nospec-{name}")
         for name, mode in V4_GRAPH_MODES.items()
     },
     **{
-        f"v4 (diagnostic): no speculation, not eager, CUDA graphs {mode[-1]}: every answer "
-        "token the target's own pick up to eager's gaps": teacher_forced_lossless(
+        f"v4 (diagnostic): no speculation, not eager, CUDA graphs {mode[-1]}: answers as "
+        "near the target's picks as eager's (teacher-forced)": teacher_forced_lossless(
             f"v4-nospec-{name}", ("v4-nospec-eager",)
         )
         for name, mode in V4_GRAPH_MODES.items()
