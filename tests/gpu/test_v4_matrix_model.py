@@ -1,4 +1,5 @@
-"""Which shrunken V4 the GPU suite's lossless matrix serves on each release.
+"""Which shrunken V4 the GPU suite's lossless matrix (and its compiled part) serves on
+each release.
 
 vLLM 0.20's hash-routing kernel (``csrc/moe/topk_softplus_sqrt_kernels.cu`` in its
 source distribution) renormalises a token's routed weights with a sum over the
@@ -62,3 +63,17 @@ def test_the_eight_expert_model_mixes_tokens_and_stays_where_the_kernel_is_per_r
     assert rows_per_warp(built_experts(suite.TINY_V4)) > 1
     for version in ("0.21.0", "0.24.0", "0.26.0"):
         assert matrix_models(version) == {str(suite.TINY_V4)}
+
+
+def compiled_models(version: str) -> set[str]:
+    jobs = [job for job in suite.jobs_for(version) if job.part == "v4-compiled"]
+    assert {job.name for job in jobs} == {"v4-nospec", "v4-dspark-overlay-v1-compiled"}
+    return {arg for job in jobs for arg in job.args if "tiny-v4" in arg}
+
+
+def test_the_compiled_part_serves_the_matrix_model_of_its_release():
+    """The compiled overlay is judged against compiled stock on one model, and below
+    0.21 that is the model whose tokens the hash routing keeps apart."""
+    assert compiled_models("0.20.2") == {str(suite.TINY_V4_WIDE)}
+    for version in ("0.21.0", "0.24.0", "0.26.0"):
+        assert compiled_models(version) == {str(suite.TINY_V4)}

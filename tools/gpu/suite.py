@@ -256,7 +256,8 @@ V4_REFUSED_SPEC_TOKENS = ("3", "7")
 # section 13): the 8-expert model's outputs there depend on the tokens packed beside
 # them, so its engine's answers served alone stray up to 4.5 nats from its own
 # prefill's picks, and that gap, as the matrix's bound, admits the controls. Below
-# 0.21 the matrix serves 128 experts, one token a warp, as the real 256 are.
+# 0.21 the matrix (and the compiled part) serves 128 experts, one token a warp, as
+# the real 256 are.
 TINY_V4_WIDE = MODELS / "tiny-v4-e128"
 V4_WIDE_EXPERTS = 128
 V4_EXPERTS = 8  # tools/build_tiny_v4.py's default, the matrix's model from 0.21
@@ -296,6 +297,17 @@ V4_GRAPH_MODES = {
 }
 
 
+def wide_below_warp_norm(jobs: list[Job]) -> list[Job]:
+    """Each job twice: from 0.21 as written (the 8-expert model), below it serving the
+    128-expert model, whose tokens 0.20's hash routing keeps apart (as the matrix)."""
+    split = []
+    for job in jobs:
+        args = [str(TINY_V4_WIDE) if arg == str(TINY_V4) else arg for arg in job.args]
+        split.append(replace(job, min_version=V4_WARP_NORM_BELOW))
+        split.append(replace(job, args=args, below_version=V4_WARP_NORM_BELOW))
+    return split
+
+
 def v4_jobs() -> list[Job]:
     """The shrunken DeepSeek-V4 (real widths, real checkpoint format), bfloat16 with
     its fp8 attention and fp4 experts, eager and compiled, on the V1 runner; and with
@@ -312,7 +324,7 @@ def v4_jobs() -> list[Job]:
     # the overlay's V1 route for the in-checkpoint draft is opt-in while unproven;
     # its speculative warm-up would meet every batch shape, each a DeepGEMM build
     overlay_env = {**v1_env, "VLLM_V4_DSPARK_V4_ON_V1": "on", "VLLM_V4_DSPARK_WARMUP": "off"}
-    return [
+    jobs = [
         Job("v4-nospec-eager", reference, False, v1_env, part="v4"),
         # the same engine again: what numeric noise alone does to greedy picks
         Job("v4-nospec-eager-again", [*v4, "--count-syncs"], False, v1_env, part="v4"),
@@ -380,6 +392,8 @@ def v4_jobs() -> list[Job]:
             part="v4-compiled",
         ),
     ]
+    compiled = [job for job in jobs if job.part == "v4-compiled"]
+    return [job for job in jobs if job.part != "v4-compiled"] + wide_below_warp_norm(compiled)
 
 
 def dense_jobs(dspark: list[str], qwen3: list[str], compiled_qwen3: list[str]) -> list[Job]:
