@@ -118,7 +118,7 @@ def read_run(kept_run: Path) -> dict:
 
 
 def run_name(kept_run: Path) -> str:
-    return kept_run.name.removesuffix(KEPT_SUFFIX).removesuffix(".json")
+    return kept_run.name.removesuffix(KEPT_SUFFIX)
 
 
 def logs_of(kept_run: Path) -> Path:

@@ -267,24 +267,26 @@ V4_WARP_NORM_BELOW = "0.21"
 ROUTING_TOLERANCE = 1e-6
 
 
+def wide_below_warp_norm(jobs: list[Job]) -> list[Job]:
+    """Each job twice: from 0.21 as written (the 8-expert model), below it serving the
+    128-expert model, whose tokens 0.20's hash routing keeps apart."""
+    split = []
+    for job in jobs:
+        args = [str(TINY_V4_WIDE) if arg == str(TINY_V4) else arg for arg in job.args]
+        split.append(replace(job, min_version=V4_WARP_NORM_BELOW))
+        split.append(replace(job, args=args, below_version=V4_WARP_NORM_BELOW))
+    return split
+
+
 def v4_matrix_jobs(v4: list[str], v1_env: dict, overlay_env: dict) -> list[Job]:
-    jobs = []
-    for model, where in (
-        (TINY_V4, {"min_version": V4_WARP_NORM_BELOW}),
-        (TINY_V4_WIDE, {"below_version": V4_WARP_NORM_BELOW}),
-    ):
-        engine = [str(model) if arg == str(TINY_V4) else arg for arg in v4]
-        # the --prompts and --max-tokens given later win (argparse keeps the last)
-        matrix = [*engine, "--prompts", *V4_MATRIX_PROMPTS, *V4_MATRIX]
-        reference = [*matrix, "--margins"]
-        jobs.append(Job("v4-matrix-reference", reference, False, v1_env, part="v4-matrix", **where))
-        for n in V4_MATRIX_SPEC_TOKENS:
-            spec = [*matrix, "--dspark", str(model), "--spec-tokens", n]
-            jobs.append(Job(f"v4-matrix-n{n}", spec, True, overlay_env, part="v4-matrix", **where))
-    jobs.append(
-        Job("v4-hash-routing", [HASH_ROUTING], False, v1_env, part="v4-matrix", timeout=180)
-    )
-    return jobs
+    # the --prompts and --max-tokens given later win (argparse keeps the last)
+    matrix = [*v4, "--prompts", *V4_MATRIX_PROMPTS, *V4_MATRIX]
+    jobs = [Job("v4-matrix-reference", [*matrix, "--margins"], False, v1_env, part="v4-matrix")]
+    for n in V4_MATRIX_SPEC_TOKENS:
+        spec = [*matrix, "--dspark", str(TINY_V4), "--spec-tokens", n]
+        jobs.append(Job(f"v4-matrix-n{n}", spec, True, overlay_env, part="v4-matrix"))
+    routing = Job("v4-hash-routing", [HASH_ROUTING], False, v1_env, part="v4-matrix", timeout=180)
+    return [*wide_below_warp_norm(jobs), routing]
 
 
 # V4 engines not eager, one CUDA-graph mode each. vLLM 0.26.0 turns torch.compile off
@@ -295,17 +297,6 @@ V4_GRAPH_MODES = {
     "compile-only": ["--cudagraph-mode", "NONE"],
     "piecewise": ["--cudagraph-mode", "PIECEWISE"],
 }
-
-
-def wide_below_warp_norm(jobs: list[Job]) -> list[Job]:
-    """Each job twice: from 0.21 as written (the 8-expert model), below it serving the
-    128-expert model, whose tokens 0.20's hash routing keeps apart (as the matrix)."""
-    split = []
-    for job in jobs:
-        args = [str(TINY_V4_WIDE) if arg == str(TINY_V4) else arg for arg in job.args]
-        split.append(replace(job, min_version=V4_WARP_NORM_BELOW))
-        split.append(replace(job, args=args, below_version=V4_WARP_NORM_BELOW))
-    return split
 
 
 def v4_jobs() -> list[Job]:
@@ -928,8 +919,12 @@ def teacher_forced(record: dict, name: str) -> dict:
     return scored
 
 
+def flat_gaps(gaps: list[list[float]]) -> list[float]:
+    return [gap for answer in gaps for gap in answer]
+
+
 def largest_gap(gaps: list[list[float]]) -> float:
-    return max((gap for answer in gaps for gap in answer), default=0.0)
+    return max(flat_gaps(gaps), default=0.0)
 
 
 # a gap past one of these shares of the calibrating engines' own gaps is a stray (the
@@ -947,10 +942,6 @@ LOSSY_SHARE = 0.5
 LOSSY_POWER = 0.9
 
 
-def flat_gaps(gaps: list[list[float]]) -> list[float]:
-    return [gap for answer in gaps for gap in answer]
-
-
 def stray_threshold(calibration: list[float], quantile: float) -> float:
     """The calibrating engines' gap at ``quantile``, never below NEAR_TIE."""
     if not calibration:
@@ -964,17 +955,9 @@ def excess_chance(strays: int, tokens: int, stock_strays: int, stock_tokens: int
     samples when every token strays at one rate: given the total, each stray falls in
     ``tokens`` by its share of the tokens (the exact conditional test of two Poisson
     counts). With no stock tokens to compare, any stray is an excess."""
-    if strays == 0:
-        return 1.0
     if stock_tokens == 0:
-        return 0.0
-    total, share = strays + stock_strays, tokens / (tokens + stock_tokens)
-
-    def term(k: int) -> float:
-        ways = math.lgamma(total + 1) - math.lgamma(k + 1) - math.lgamma(total - k + 1)
-        return math.exp(ways + k * math.log(share) + (total - k) * math.log1p(-share))
-
-    return min(1.0, sum(term(k) for k in range(strays, total + 1)))
+        return 0.0 if strays else 1.0
+    return binomial_tail(strays, strays + stock_strays, tokens / (tokens + stock_tokens))
 
 
 def binomial_tail(count: int, tokens: int, rate: float) -> float:
