@@ -56,7 +56,9 @@ PLATFORM_TAGS = [
     "any",
 ]
 # closure members an offline engine of a dense model on Hopper never imports
-# (video decoders, Blackwell/ROCm kernels, the CUDA compiler wheels: the image has nvcc)
+# (video decoders, Blackwell/ROCm kernels, the CUDA compiler wheels: the image has nvcc).
+# humming-kernels (160 kB) stays: 0.22's quantization registry imports it for every
+# model config, so an engine without it does not start.
 NOT_NEEDED = {
     "vllm",
     "pynvvideocodec",
@@ -67,7 +69,6 @@ NOT_NEEDED = {
     "supervisor",
     "tokenspeed-mla",
     "tokenspeed-triton",
-    "humming-kernels",
     "nvidia-cuda-cccl",
     "nvidia-cuda-crt",
     "nvidia-cuda-nvcc",
