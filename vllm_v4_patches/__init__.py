@@ -19,6 +19,7 @@ PATCH_MODULES: tuple = (
     "vllm_v4_patches.async_sync",
     "vllm_v4_patches.cudagraph",
     "vllm_v4_patches.flex_graphs",
+    "vllm_v4_patches.swa_prefix",
     "vllm_v4_patches.dp_dummy",
     "vllm_v4_patches.dspark",
     "vllm_v4_patches.cpu_expand",
