@@ -3,11 +3,10 @@ take the EAGLE lookahead (a drafter on DeepSeek-V4), on vLLM 0.22.x."""
 
 from __future__ import annotations
 
-import ast
 from typing import TYPE_CHECKING, Any
 
 from vllm_v4_patches.registry import PatchRecord, ProbeResult, Target
-from vllm_v4_patches.sources import SourceReader, find_class, find_method, names_in
+from vllm_v4_patches.sources import SourceReader, names_in, read_method
 
 if TYPE_CHECKING:
     from vllm_v4_patches.patcher import Patcher
@@ -72,19 +71,17 @@ RECORD = PatchRecord(
 
 
 def probe(source: SourceReader) -> ProbeResult:
-    managers, coordinators = source.read(MANAGER_MODULE), source.read(COORDINATOR_MODULE)
-    if managers is None or coordinators is None:
+    managers = source.read(MANAGER_MODULE)
+    if managers is None or source.read(COORDINATOR_MODULE) is None:
         return ProbeResult("absent", f"{MANAGER_MODULE} or {COORDINATOR_MODULE} does not exist")
-    manager = find_class(ast.parse(managers), MANAGER)
-    mask = manager and find_method(manager, MASK)
+    mask = read_method(source, MANAGER_MODULE, MANAGER, MASK)
     if mask is None and EAGLE_AWARE_MASK in managers:
         return ProbeResult("not-needed", f"{EAGLE_AWARE_MASK} keeps the EAGLE lookahead block")
     if mask is None:
         return ProbeResult("not-needed", f"{MANAGER} has no {MASK}: every full block is cached")
     if any("eagle" in name.lower() for name in names_in(mask)):
         return ProbeResult("not-needed", f"{MANAGER}.{MASK} accounts for the EAGLE lookahead")
-    coordinator = find_class(ast.parse(coordinators), COORDINATOR)
-    grouping = coordinator and find_method(coordinator, GROUPING)
+    grouping = read_method(source, COORDINATOR_MODULE, COORDINATOR, GROUPING)
     if grouping is None or "eagle_attn_group_indices" not in names_in(grouping):
         return ProbeResult(
             "absent", f"{COORDINATOR}.{GROUPING} does not name its EAGLE attention groups"

@@ -133,6 +133,8 @@ def stand_ins(tmp_path_factory):
 
 def second_pass_hit(version: str, stand_ins, *, eagle: bool, patched: bool) -> dict:
     source = fetch_source(version)
+    # the package importable, not on PYTHONPATH: the repository's sitecustomize would
+    # activate the overlay at vLLM's import, and "stock" must stay stock
     args = ["-c", f"import sys; sys.path.append({str(REPO)!r})\n{LOOKUP}"]
     args += ["eagle" if eagle else "none", "patched" if patched else "stock", str(PROMPT_TOKENS)]
     run = run_python(args, pythonpath=[str(source), str(stand_ins)], timeout=300)
