@@ -1,8 +1,9 @@
 """Swapping attributes for one patch, recorded so that revert is exact.
 
 Every change a patch makes goes through its :class:`Patcher`: wrapping a
-function or method with a wrapt ``FunctionWrapper``, or rebinding a copy that
-another module took with ``from x import y``. Applying twice changes nothing
+function or method with a wrapt ``FunctionWrapper`` (or, for code that runs
+inside ``torch.compile``, a plain function: see :func:`traceable_wrapper`), or
+rebinding a copy that another module took with ``from x import y``. Applying twice changes nothing
 the second time; revert restores the original objects, and refuses (loudly)
 when something else has since been installed over one of ours. Two patches may
 wrap one attribute (their records declare it shared): the later wrapper calls the
@@ -12,7 +13,9 @@ earlier, and either reverts alone, in any order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -55,14 +58,25 @@ class Patcher:
         self.temporary: list[tuple[Any, str]] = []  # (owner, name) bound by swap_during
         self._reverted = False
 
-    def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> Any:
-        """Wrap ``owner.name``; ``wrapper(wrapped, instance, args, kwargs)``."""
+    def wrap(
+        self, owner: Any, name: str, wrapper: Callable[..., Any], *, traced: bool = False
+    ) -> Any:
+        """Wrap ``owner.name``; ``wrapper(wrapped, instance, args, kwargs)``.
+
+        ``traced=True`` for a target that runs inside a model ``torch.compile``
+        traces: the wrapper then installs as a plain function that Dynamo traces
+        (a wrapt proxy it skips, tracing the original instead), and is always
+        handed ``instance=None`` with the receiver first in ``args``."""
         import wrapt
 
         current = vars(owner).get(name, _MISSING)
         if getattr(current, _MARK, None) == self.patch_id:
             return current  # already ours: applying twice is a no-op
-        replacement = wrapt.wrap_function_wrapper(owner, name, wrapper)
+        if traced:
+            replacement = traceable_wrapper(current, wrapper)
+            setattr(owner, name, replacement)
+        else:
+            replacement = wrapt.wrap_function_wrapper(owner, name, wrapper)
         setattr(replacement, _MARK, self.patch_id)
         self.swaps.append(Swap(owner, name, current, replacement))
         return replacement
@@ -91,19 +105,24 @@ class Patcher:
         wrapper: Callable[..., Any],
         *,
         getter: bool = False,
+        traced: bool = False,
     ) -> str:
         """Wrap ``module.<owner_path>.<name>`` now if imported, else when it is.
 
         For targets in modules a process may never import (or cannot, such as
         vLLM's V2 runner without Triton): importing them just to patch would be
-        wrong. ``getter=True`` wraps a property's getter. Returns "wrapped" or "armed".
+        wrong. ``getter=True`` wraps a property's getter; ``traced`` is ``wrap``'s.
+        Returns "wrapped" or "armed".
         """
 
         def install(module: Any) -> None:
             owner = module
             for part in owner_path.split(".") if owner_path else ():
                 owner = getattr(owner, part)
-            (self.wrap_property if getter else self.wrap)(owner, name, wrapper)
+            if getter:
+                self.wrap_property(owner, name, wrapper)
+            else:
+                self.wrap(owner, name, wrapper, traced=traced)
 
         return self._when_imported(module_name, f"{owner_path}.{name}", install, "wrapped")
 
@@ -256,6 +275,25 @@ class _MarkedProperty(property):
         if name == _MARK:
             return self.patch_id
         raise AttributeError(name)
+
+
+def traceable_wrapper(function: Any, wrapper: Callable[..., Any]) -> Any:
+    """``function`` wrapped by ``wrapper`` as a plain Python function.
+
+    Dynamo takes a wrapt proxy for the function it proxies (the proxy forwards
+    ``__class__`` and ``__code__``) and traces the original, so a wrapt wrapper on
+    code inside a compiled model is silently skipped there. A plain function is
+    traced like any other. It calls whatever its ``__wrapped__`` holds at call time,
+    so that revert can unlink a patch beneath it as it does under wrapt.
+    """
+    if not isinstance(function, types.FunctionType):
+        raise TypeError(f"{function!r} is not a plain function; traced wrapping needs one")
+
+    def replacement(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(replacement.__wrapped__, None, args, kwargs)
+
+    functools.update_wrapper(replacement, function)
+    return replacement
 
 
 def _unwrapped(swap: Swap) -> Any:
