@@ -171,7 +171,8 @@ def apply(patcher: Patcher, found: ProbeResult) -> str:
     import importlib
 
     module = importlib.import_module(MODULE)
-    patcher.wrap(module.VocabParallelEmbedding, found.variant, masked_lookup_at_tp1)
+    # the lookup runs inside the compiled model: a wrapper Dynamo traces
+    patcher.wrap(module.VocabParallelEmbedding, found.variant, masked_lookup_at_tp1, traced=True)
     return f"wrapped VocabParallelEmbedding.{found.variant}"
 
 
