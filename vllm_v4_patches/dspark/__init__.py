@@ -452,8 +452,9 @@ def _apply_v4_overlay_route(patcher: Patcher, model_module: str) -> str:
             reference=v4_stages.MODEL_REFERENCE,
         ),
     )
+    # the layer runs inside the compiled model: its wrapper must be one Dynamo traces
     patcher.wrap_when_imported(
-        model_module, v4_blocks.LAYER_CLASS, "forward", v4_taps.tap_after_layer
+        model_module, v4_blocks.LAYER_CLASS, "forward", v4_taps.tap_after_layer, traced=True
     )
     patcher.wrap_when_imported(
         model_module, V4_TARGET_ARCHITECTURE, "forward", v4_taps.forward_with_taps

@@ -153,15 +153,17 @@ def last_post_mix(layer: Any) -> Any:
     return own if own is not None else getattr(sys.modules[type(layer).__module__], MODULE_POST)
 
 
-def mixed_streams(layer: Any, output: Any) -> Any:
-    """``[T, hc_mult, H]``: a decoder layer's output with its post-mix applied. A
-    deferring layer that ran its native path (0.22 off CUDA) returns no residual:
+def mixed_streams(layer: Any, output: Any, post_mix: Any = None) -> Any:
+    """``[T, hc_mult, H]``: a decoder layer's output with its post-mix applied
+    (``post_mix``: the layer's :func:`last_post_mix`, looked up here if not given).
+    A deferring layer that ran its native path (0.22 off CUDA) returns no residual:
     its streams are mixed already."""
     if not isinstance(output, tuple):
         return output
     if output[1] is None:
         return output[0]
-    return last_post_mix(layer)(*output)
+    # `is None`, not `or`: Dynamo (torch 2.11) refuses a bound method's truth value
+    return (last_post_mix(layer) if post_mix is None else post_mix)(*output)
 
 
 def run_layers(layers: Any, streams: Any, positions: Any, input_ids: Any) -> Any:
