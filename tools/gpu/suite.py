@@ -82,9 +82,10 @@ BF16 = ["--dtype", "bfloat16"]
 V1, V2 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 # with one GPU vLLM runs the worker inside the EngineCore process (no worker process)
 ROLES = {"front-end", "engine-core"}
-ERROR_LINE = re.compile(r"\w(Error|Exception): |TIMEOUT|Dynamo recompile limit")
+ERROR_LINE = re.compile(r"\w(Error|Exception): |\.Unsupported: |TIMEOUT|Dynamo recompile limit")
 # the first fault, not the engine's death after it
 RECOMPILE_LIMIT = "Dynamo recompile limit exceeded"
+STARTUP_DEATH = "Engine core initialization failed"
 ROOT_ERROR = re.compile(rf"CUDA error: |AcceleratorError|{RECOMPILE_LIMIT}")
 JIT_LINE = re.compile(r"during inference: ([\w.<>]+)")
 # T = 1 losslessness: one prompt sampled this many times (a seed per request), and
@@ -844,7 +845,13 @@ def result_of(outcomes: dict[str, Outcome], name: str) -> dict:
         errors = [line for line in outcome.log.splitlines() if ERROR_LINE.search(line)]
         # the device fault itself, where there is one, not the engine's death after it
         root = [line for line in errors if ROOT_ERROR.search(line)]
-        line = (root or errors or ["no RESULT"])[-1 if not root else 0][-300:]
+        # else the engine core's own first error, not the front end's word on its death
+        core = [
+            line
+            for line in errors
+            if "EngineCore" in line and " ERROR " in line and STARTUP_DEATH not in line
+        ]
+        line = (root or core or errors or ["no RESULT"])[0 if root or core else -1][-300:]
         raise Missing(f"{name} exited {outcome.returncode}: {line}")
     return outcome.result
 
