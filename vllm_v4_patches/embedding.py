@@ -33,7 +33,9 @@ RECORD = PatchRecord(
         "[0, num_embeddings_per_partition) are clamped into the table and their output "
         "rows are zeroed, the semantics of the TP>1 masked path. Valid ids go "
         "through the unchanged stock lookup, so their rows are bit-identical. "
-        "No host-device sync, and traceable by torch.compile."
+        "No host-device sync. The wrapper is a plain function, which torch.compile "
+        "traces into the compiled model (it skips a wrapt proxy there and runs the "
+        "stock lookup)."
     ),
     upstream=(
         "vllm-project/vllm#53977 (open): the same mask inside the layer",

@@ -3,7 +3,7 @@
 are added (and not before), the tapped layers are the ones the interface numbers,
 and the forward returns the taps in layer order, each the layer's streams after its
 post-mix, averaged, also when ``torch.compile`` traces the model the layers run in
-(plain and AOT, as vLLM 0.22+ compiles on torch 2.10+). The target and its decoder
+(plain and AOT, as vLLM 0.22 compiles on torch 2.10+). The target and its decoder
 layers are stand-ins with V4's shapes of return (the real ones need CUDA and
 TileLang): the layer returns 0.21+'s four values and its ``hc_post`` (0.21-0.22's
 post-mix) adds the residual to the streams. The wrappers install through the

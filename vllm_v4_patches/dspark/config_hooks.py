@@ -296,10 +296,9 @@ V4_ON_V1_CHOICES = ("off", "on")
 def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
     """A DeepSeek-V4 target's own DSpark stages go to the overlay's V4 drafter
     (``v4_proposer``, through vLLM's V4 draft class, or on 0.20-0.24 the overlay's
-    own, ``v4_stages``) only when asked for: on the GPU it is lossless eager at N = 5
-    (the lossless matrix on 0.26.0, 0.24.0 and 0.20.2) and unproven with
-    CUDA graphs (``docs/dspark.md`` section 13). Otherwise, and on a release with
-    neither class, one line."""
+    own, ``v4_stages``) only when asked for: on the GPU it is proven lossless eager at
+    N = 5 only (which releases: ``docs/dspark.md`` section 13). Otherwise, and on a
+    release with neither class, one line."""
     from vllm_v4_patches.dspark import checkpoint
     from vllm_v4_patches.toggles import read_choice
 

@@ -7,8 +7,9 @@ second value of the target's forward. V4 carries ``hc_mult`` residual streams; a
 tap is those streams merged by the layer's mHC post-mix and averaged over the
 streams (what vLLM 0.25+'s V4 forward records).
 
-The tapped layers run inside the model that ``torch.compile`` traces (0.20-0.24
-compile ``DeepseekV4Model``), so each copies its tap into a buffer of its own, as
+The tapped layers may run inside a model ``torch.compile`` traces (0.20-0.22
+compile the NVIDIA ``DeepseekV4Model``; 0.23-0.24 capture CUDA graphs without it),
+so each copies its tap into a buffer of its own, as
 vLLM's V4 stashes its MTP hidden states: the copy is part of the compiled graph and
 of its CUDA graphs, where a list the layer appended to would be a side effect that
 vLLM's AOT compile drops. The target's forward, outside the compiled model, hands
