@@ -5,8 +5,10 @@ Builds the real layer on CUDA at tensor-parallel size 1 and looks up ids holding
 ids), then synchronises. Prints ``RESULT {json}``: whether the lookup completed,
 whether the rows of valid ids equal a plain gather, and whether the invalid row is
 zero. Stock vLLM is expected to fault here, so run it in its own process.
+``--compiled`` looks the ids up through a model holding the layer, compiled by
+``torch.compile`` (Inductor, ``fullgraph=True``) as vLLM compiles its models.
 
-    python tools/gpu/embedding_fault.py
+    python tools/gpu/embedding_fault.py [--compiled]
 """
 
 from __future__ import annotations
@@ -54,16 +56,34 @@ def tp1_embedding(vocab: int, hidden: int, port: int) -> Iterator[Any]:
     cleanup_dist_env_and_memory()
 
 
+def compiled_lookup(layer: Any) -> Any:
+    """The layer inside a model, the model's forward compiled: vLLM compiles models,
+    not layers, and a wrapper Dynamo skipped there would leave stock's lookup."""
+    import torch
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = layer
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.embed_tokens(ids) * 1.0
+
+    return torch.compile(Model().forward, fullgraph=True, dynamic=False)
+
+
 def main() -> None:
     import torch
 
+    compiled = "--compiled" in sys.argv[1:]
     # a port the kernel hands out: the stock and patched jobs run at the same time
     with tp1_embedding(VOCAB, HIDDEN, free_port()) as layer:
         layer = layer.cuda()
+        lookup = compiled_lookup(layer) if compiled else layer
         ids = torch.tensor([5, -1, 7, 3], device="cuda")
-        result = {"completed": False}
+        result = {"completed": False, "compiled": compiled}
         try:
-            rows = layer(ids)
+            rows = lookup(ids)
             torch.cuda.synchronize()
         except Exception as exc:  # the stock fault: a device-side assert or illegal access
             result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
