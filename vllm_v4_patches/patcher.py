@@ -3,8 +3,8 @@
 Every change a patch makes goes through its :class:`Patcher`: wrapping a
 function or method with a wrapt ``FunctionWrapper`` (or, for code that runs
 inside ``torch.compile``, a plain function: see :func:`traceable_wrapper`), or
-rebinding a copy that another module took with ``from x import y``. Applying twice changes nothing
-the second time; revert restores the original objects, and refuses (loudly)
+rebinding a copy that another module took with ``from x import y``. Applying
+twice changes nothing the second time; revert restores the original objects, and refuses (loudly)
 when something else has since been installed over one of ours. Two patches may
 wrap one attribute (their records declare it shared): the later wrapper calls the
 earlier, and either reverts alone, in any order.

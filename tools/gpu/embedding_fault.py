@@ -56,7 +56,7 @@ def tp1_embedding(vocab: int, hidden: int, port: int) -> Iterator[Any]:
     cleanup_dist_env_and_memory()
 
 
-def compiled_lookup(layer: Any) -> Any:
+def compiled_lookup(layer: Any, backend: str = "inductor") -> Any:
     """The layer inside a model, the model's forward compiled: vLLM compiles models,
     not layers, and a wrapper Dynamo skipped there would leave stock's lookup."""
     import torch
@@ -69,7 +69,7 @@ def compiled_lookup(layer: Any) -> Any:
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             return self.embed_tokens(ids) * 1.0
 
-    return torch.compile(Model().forward, fullgraph=True, dynamic=False)
+    return torch.compile(Model().forward, fullgraph=True, dynamic=False, backend=backend)
 
 
 def main() -> None:

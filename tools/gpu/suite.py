@@ -853,7 +853,8 @@ def result_of(outcomes: dict[str, Outcome], name: str) -> dict:
             for line in errors
             if "EngineCore" in line and " ERROR " in line and STARTUP_DEATH not in line
         ]
-        line = (root or core or errors or ["no RESULT"])[0 if root or core else -1][-300:]
+        first = root or core
+        line = (first[0] if first else (errors or ["no RESULT"])[-1])[-300:]
         raise Missing(f"{name} exited {outcome.returncode}: {line}")
     return outcome.result
 
