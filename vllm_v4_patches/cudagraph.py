@@ -7,6 +7,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm_v4_patches.errors import ProbeError
+from vllm_v4_patches.graph_modes import breakable_cudagraphs_enabled, without_piecewise
 from vllm_v4_patches.patcher import split_receiver
 from vllm_v4_patches.registry import PatchRecord, ProbeResult, Target
 from vllm_v4_patches.sources import SourceReader, dotted, find_class, find_method
@@ -143,7 +144,7 @@ def demote_if_nothing_compiled(compilation_config: Any, model: Any) -> None:
         return  # NONE and FULL modes are never touched
     if compilation_config.mode != CompilationMode.VLLM_COMPILE or model is None:
         return  # other compilation modes: vLLM's config demotes them itself
-    if _breakable_cudagraphs_enabled() or has_compiled_submodule(model):
+    if breakable_cudagraphs_enabled() or has_compiled_submodule(model):
         return
     demoted = without_piecewise(mode)
     logger.warning(
@@ -156,17 +157,6 @@ def demote_if_nothing_compiled(compilation_config: Any, model: Any) -> None:
     compilation_config.cudagraph_mode = demoted
 
 
-def without_piecewise(mode: Any) -> Any:
-    """CUDAGraphMode.without_piecewise(), which only exists from vLLM 0.30."""
-    from vllm.config.compilation import CUDAGraphMode
-
-    if mode == CUDAGraphMode.PIECEWISE:
-        return CUDAGraphMode.NONE
-    if mode == CUDAGraphMode.FULL_AND_PIECEWISE:
-        return CUDAGraphMode.FULL_DECODE_ONLY
-    return mode
-
-
 def has_compiled_submodule(model: Any) -> bool:
     """An active @support_torch_compile module anywhere in the model (vLLM 0.30's test)."""
     from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
@@ -176,12 +166,3 @@ def has_compiled_submodule(model: Any) -> bool:
         and not getattr(module, "do_not_compile", True)
         for module in model.modules()
     )
-
-
-def _breakable_cudagraphs_enabled() -> bool:
-    import vllm.envs as envs
-
-    try:
-        return bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH)  # from vLLM 0.22
-    except AttributeError:
-        return False
