@@ -68,6 +68,7 @@ DSPARK_SETTINGS = (
     "VLLM_V4_DSPARK_MARKOV_KERNEL",
     "VLLM_V4_DSPARK_WARMUP",
     "VLLM_V4_DSPARK_V4_ON_V1",
+    "VLLM_V4_DSPARK_V4_PIECEWISE",
 )
 # Before 0.25 the overlay runs dspark as vLLM's dflash method (same machinery, so
 # every dflash predicate holds) and marks the draft config; these are the marker,
@@ -160,7 +161,12 @@ RECORD = PatchRecord(
         "(vLLM's V4 grouping splits the draft's sliding-window caches), each "
         "group's context and query slots computed from its own block table, and the "
         "checkpoint's confidence head (which vLLM's class drops) read from a local "
-        "checkpoint and scored for confidence-scheduled verification."
+        "checkpoint and scored for confidence-scheduled verification. Where vLLM "
+        "captures V4 in breakable CUDA graphs (0.23+), the route drops the piecewise "
+        "half of the cudagraph mode before the runner is built (dspark.v4_cudagraphs: "
+        "FULL_AND_PIECEWISE -> FULL_DECODE_ONLY, PIECEWISE -> NONE; "
+        "VLLM_V4_DSPARK_V4_PIECEWISE=on keeps it), because the route was not lossless "
+        "under it on the H200."
     ),
     upstream=(
         "vllm-project/vllm#46995: DSpark (V2 only), first in 0.25.0",
@@ -503,8 +509,7 @@ V4_ROUTE_SHOWN = {
     V4_ROUTE_CLASS: "DeepSeek-V4's own stages: drafted on V1 through vLLM's V4 draft class "
     "where VLLM_V4_DSPARK_V4_ON_V1=on, else refused in one line",
     V4_ROUTE_OVERLAY: "DeepSeek-V4's own stages: drafted on V1 through the overlay's V4 "
-    "draft class where VLLM_V4_DSPARK_V4_ON_V1=on (served eager on a GPU on 0.20.2 and 0.24.0), "
-    "else refused in one line",
+    "draft class where VLLM_V4_DSPARK_V4_ON_V1=on, else refused in one line",
     V4_ROUTE_NO_CLASS: "DeepSeek-V4's own stages: refused on V1 (no usable V4 draft class)",
     V4_ROUTE_NO_V4: "no DeepSeek-V4 in this vLLM",
 }

@@ -296,8 +296,8 @@ V4_ON_V1_CHOICES = ("off", "on")
 def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
     """A DeepSeek-V4 target's own DSpark stages go to the overlay's V4 drafter
     (``v4_proposer``, through vLLM's V4 draft class, or on 0.20-0.24 the overlay's
-    own, ``v4_stages``) only when asked for: on the GPU it is proven lossless eager at
-    N = 5 only (which releases: ``docs/dspark.md`` section 13). Otherwise, and on a
+    own, ``v4_stages``) only when asked for: on the GPU it is proven lossless at N = 5
+    only (which releases and cudagraph modes: ``docs/dspark.md`` section 13). Otherwise, and on a
     release with neither class, one line."""
     from vllm_v4_patches.dspark import checkpoint
     from vllm_v4_patches.toggles import read_choice
@@ -331,8 +331,9 @@ def refuse_in_checkpoint_draft_on_v1(draft_format: str, draft: str) -> None:
         raise ValueError(
             f"speculative_config.model={draft}: vLLM {__version__} has no DSpark of its "
             "own; vllm_v4_patches' draft class for the DSpark stages inside a "
-            "DeepSeek-V4 checkpoint is off by default, shown lossless on a GPU only in "
-            f"eager mode on 0.20.2 and 0.24.0 ({V4_ON_V1_SETTING}=on serves it)"
+            "DeepSeek-V4 checkpoint is off by default, shown lossless on a GPU at N = 5 "
+            "on 0.20.2, 0.22.1 and 0.24.0, with CUDA graphs on 0.22.1 and 0.24.0 only "
+            f"({V4_ON_V1_SETTING}=on serves it)"
         )
     if choice != "on":
         raise ValueError(

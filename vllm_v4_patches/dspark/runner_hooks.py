@@ -31,6 +31,7 @@ def install_dspark_drafter(
     # whichever way this config reached V1 (the user's VLLM_USE_V2_MODEL_RUNNER=0,
     # the fallback, or the dflash stand-in), the drafter reads the exposed keys
     validate_draft_checkpoint(vllm_config)
+    _v4_stages_graph_mode(vllm_config)
     # vLLM's drafter chain takes its EAGLE branch for dspark (use_eagle() is true),
     # or its DFlash branch where dspark stands in as dflash (before 0.25); for the
     # length of __init__ both build the DSpark drafter instead (an EAGLE drafter
@@ -43,6 +44,16 @@ def install_dspark_drafter(
 
     warmup.runner_built()
     return result
+
+
+def _v4_stages_graph_mode(vllm_config: Any) -> None:
+    # before __init__: the runner's dispatchers and its load_model read the mode
+    from vllm_v4_patches.dspark.v4_proposer import drafts_deepseek_v4
+
+    if drafts_deepseek_v4(vllm_config.speculative_config.draft_model_config.hf_config):
+        from vllm_v4_patches.dspark import v4_cudagraphs
+
+        v4_cudagraphs.keep_off_piecewise(vllm_config)
 
 
 def warm_after_start(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
