@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from packaging.version import Version
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "gpu"))
 
@@ -69,6 +71,8 @@ def compiled_models(version: str) -> set[str]:
     jobs = [job for job in suite.jobs_for(version) if job.part == "v4-compiled"]
     names = {"v4-nospec", "v4-dspark-overlay-v1-compiled"}
     names |= {"v4-matrix-compiled-reference", "v4-matrix-compiled-n5"}
+    if Version(version) >= Version(suite.V4_BREAKABLE_FROM):
+        names.add("v4-matrix-compiled-n5-piecewise")  # breakable graphs kept
     assert {job.name for job in jobs} == names
     return {arg for job in jobs for arg in job.args if "tiny-v4" in arg}
 

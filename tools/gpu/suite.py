@@ -251,6 +251,10 @@ V4_MATRIX_CHECKED_TOKENS = ("5", "7")
 # the matrix again with vLLM's default compilation and CUDA graphs: job-name prefix,
 # engine flags, part
 V4_MATRIX_COMPILED = (("v4-matrix-compiled", ["--no-eager"], "v4-compiled"),)
+# vLLM captures V4 in breakable CUDA graphs from 0.23; the setting that keeps their
+# piecewise half for the overlay's V4 route
+V4_BREAKABLE_FROM = "0.23"
+V4_PIECEWISE_SETTING = "VLLM_V4_DSPARK_V4_PIECEWISE"
 # N the V1 route refuses for the tiny V4 (block 5): below and above it
 V4_REFUSED_SPEC_TOKENS = ("3", "7")
 
@@ -296,7 +300,15 @@ def v4_matrix_jobs(v4: list[str], v1_env: dict, overlay_env: dict) -> list[Job]:
             spec = [*matrix, *mode, "--dspark", str(TINY_V4), "--spec-tokens", n]
             jobs.append(Job(f"{prefix}-n{n}", spec, True, overlay_env, part=part))
     routing = Job("v4-hash-routing", [HASH_ROUTING], False, v1_env, part="v4-matrix", timeout=180)
-    return [*wide_below_warp_norm(jobs), routing]
+    # from 0.23 the route drops breakable piecewise graphs (dspark.v4_cudagraphs);
+    # this engine keeps them, to follow the fault that made it
+    kept = {**overlay_env, V4_PIECEWISE_SETTING: "on"}
+    piecewise = [
+        replace(job, name=f"{job.name}-piecewise", env=kept, min_version=V4_BREAKABLE_FROM)
+        for job in jobs
+        if job.part == "v4-compiled" and job.overlay
+    ]
+    return [*wide_below_warp_norm(jobs), routing, *piecewise]
 
 
 # V4 engines not eager, one CUDA-graph mode each. vLLM 0.26.0 turns torch.compile off
@@ -1302,6 +1314,7 @@ def lossless_in_every_phase(reference: str, job: str) -> Check:
     ``job``: preemptions, and prefix-cache hits with speculation on."""
 
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        all_ran(outcomes, reference, job)
         ref, got = result_of(outcomes, reference), result_of(outcomes, job)
         if not got.get("phases") or not ref.get("phases"):
             raise Missing(f"{reference} or {job} served no phases (run with --phases)")
@@ -1648,6 +1661,28 @@ def cudagraph_mode(job: str, piecewise: bool) -> Check:
             raise Missing(f"{job} saved no cudagraph mode")
         has_piecewise = "PIECEWISE" in facts["mode"] or facts["keys"].get("PIECEWISE", 0) > 0
         return has_piecewise == piecewise, f"mode {facts['mode']}, dispatcher keys {facts['keys']}"
+
+    return check
+
+
+# vLLM's own warning where an engine runs breakable CUDA graphs (0.22+)
+BREAKABLE_LINE = "VLLM_USE_BREAKABLE_CUDAGRAPH is set"
+
+
+def route_graph_mode(job: str) -> Check:
+    """The V4 route's engine: piecewise graphs where the model is compiled (0.20-0.22),
+    none where vLLM captures it in breakable graphs, which the route drops."""
+
+    def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
+        facts = result_of(outcomes, job).get("cudagraphs") or {}
+        if not facts.get("mode"):
+            raise Missing(f"{job} saved no cudagraph mode")
+        breakable = BREAKABLE_LINE in outcomes[job].log
+        has_piecewise = "PIECEWISE" in facts["mode"] or facts["keys"].get("PIECEWISE", 0) > 0
+        capture = "breakable" if breakable else "compiled-model"
+        return has_piecewise != breakable, (
+            f"{capture} capture: mode {facts['mode']}, dispatcher keys {facts['keys']}"
+        )
 
     return check
 
@@ -2011,6 +2046,22 @@ CHECKS: dict[str, Check] = {
         f"v4 matrix: DSpark N={n} through the overlay on V1, compiled with CUDA graphs, "
         "lossless in every phase": lossless_in_every_phase(
             "v4-matrix-compiled-reference", f"v4-matrix-compiled-n{n}"
+        )
+        for n in V4_MATRIX_SPEC_TOKENS
+    },
+    **{
+        f"v4 matrix: DSpark N={n} through the overlay on V1, CUDA graphs without "
+        "breakable piecewise capture where vLLM would use it": route_graph_mode(
+            f"v4-matrix-compiled-n{n}"
+        )
+        for n in V4_MATRIX_SPEC_TOKENS
+    },
+    **{
+        f"v4 matrix (diagnostic): DSpark N={n} through the overlay on V1, breakable "
+        f"piecewise graphs kept ({V4_PIECEWISE_SETTING}=on), lossless in every phase": (
+            lossless_in_every_phase(
+                "v4-matrix-compiled-reference", f"v4-matrix-compiled-n{n}-piecewise"
+            )
         )
         for n in V4_MATRIX_SPEC_TOKENS
     },
