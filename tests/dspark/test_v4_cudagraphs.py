@@ -57,6 +57,13 @@ def runner_init_sees(config) -> tuple[str, set[str]]:
     """Run the overlay's runner-init hook with an __init__ that resolves the mode as
     the V1 runner does (its dispatcher built inside __init__, the mode resolved
     later): the mode it settled on and the dispatcher's keys."""
+    runner = built_runner(config)
+    dispatcher = runner.cudagraph_dispatcher
+    keys = {mode.name for mode, found in dispatcher.cudagraph_keys.items() if found}
+    return runner.compilation_config.cudagraph_mode.name, keys
+
+
+def built_runner(config) -> types.SimpleNamespace:
     from vllm.config import set_current_vllm_config
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -80,9 +87,7 @@ def runner_init_sees(config) -> tuple[str, set[str]]:
     assert "vllm.v1.worker.gpu_model_runner" in sys.modules
     install_dspark_drafter(Patcher("dspark-test"), init, runner, (config, "cpu"), {})
     GPUModelRunner._check_and_update_cudagraph_mode(runner, [set()], [])
-    dispatcher = runner.cudagraph_dispatcher
-    keys = {mode.name for mode, found in dispatcher.cudagraph_keys.items() if found}
-    return runner.compilation_config.cudagraph_mode.name, keys
+    return runner
 
 
 @pytest.fixture(autouse=True)
@@ -134,10 +139,32 @@ def test_a_bad_setting_is_one_line_and_the_mode_is_demoted(monkeypatch, caplog):
         assert runner_init_sees(engine_config("FULL_AND_PIECEWISE"))[0] == "FULL_DECODE_ONLY"
     named = [r.getMessage() for r in caplog.records if "'sometimes'" in r.getMessage()]
     assert len(named) == 1 and "\n" not in named[0]
-    assert v4_cudagraphs.SETTING in named[0] and "off, on" in named[0]
+    assert v4_cudagraphs.SETTING in named[0] and "off, target, on" in named[0]
 
 
 @pytest.mark.parametrize("mode", ["FULL", "FULL_DECODE_ONLY", "NONE"])
 def test_modes_without_piecewise_graphs_are_untouched(monkeypatch, mode):
     monkeypatch.setenv(BREAKABLE, "1")
     assert runner_init_sees(engine_config(mode))[0] == mode
+
+
+# the runner rounds its capture sizes to multiples of 1 + N (6): five tokens pad to six
+@pytest.mark.parametrize(
+    ("choice", "expected"), [("target", ("NONE", 5)), ("on", ("PIECEWISE", 6))]
+)
+def test_target_keeps_the_runners_piecewise_graphs_and_the_drafter_runs_without(
+    monkeypatch, choice, expected
+):
+    """The overlay's V4 drafter class, with a dispatcher the runner resolved: five
+    draft tokens go to a padded piecewise replay, or unpadded and without graphs."""
+    from vllm_v4_patches.dspark.v4_proposer import v4_proposer_class
+
+    monkeypatch.setenv(BREAKABLE, "1")
+    monkeypatch.setenv(v4_cudagraphs.SETTING, choice)
+    runner = built_runner(engine_config("FULL_AND_PIECEWISE"))
+    assert runner.compilation_config.cudagraph_mode.name == "FULL_AND_PIECEWISE"
+    drafter = object.__new__(v4_proposer_class())  # the method reads these two only
+    drafter.cudagraph_dispatcher = runner.cudagraph_dispatcher
+    drafter.vllm_config = runner.vllm_config
+    mode, padded, _ = drafter._determine_batch_execution_and_padding(5)
+    assert (mode.name, padded) == expected

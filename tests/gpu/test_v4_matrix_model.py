@@ -72,7 +72,8 @@ def compiled_models(version: str) -> set[str]:
     names = {"v4-nospec", "v4-dspark-overlay-v1-compiled"}
     names |= {"v4-matrix-compiled-reference", "v4-matrix-compiled-n5"}
     if Version(version) >= Version(suite.V4_BREAKABLE_FROM):
-        names.add("v4-matrix-compiled-n5-piecewise")  # breakable graphs kept
+        # breakable graphs kept, for the drafter too or the target alone
+        names |= {"v4-matrix-compiled-n5-piecewise", "v4-matrix-compiled-n5-piecewise-target"}
     assert {job.name for job in jobs} == names
     return {arg for job in jobs for arg in job.args if "tiny-v4" in arg}
 

@@ -255,6 +255,7 @@ V4_MATRIX_COMPILED = (("v4-matrix-compiled", ["--no-eager"], "v4-compiled"),)
 # piecewise half for the overlay's V4 route
 V4_BREAKABLE_FROM = "0.23"
 V4_PIECEWISE_SETTING = "VLLM_V4_DSPARK_V4_PIECEWISE"
+V4_PIECEWISE_KEPT = {"on": "-piecewise", "target": "-piecewise-target"}  # job-name suffixes
 # N the V1 route refuses for the tiny V4 (block 5): below and above it
 V4_REFUSED_SPEC_TOKENS = ("3", "7")
 
@@ -301,12 +302,18 @@ def v4_matrix_jobs(v4: list[str], v1_env: dict, overlay_env: dict) -> list[Job]:
             jobs.append(Job(f"{prefix}-n{n}", spec, True, overlay_env, part=part))
     routing = Job("v4-hash-routing", [HASH_ROUTING], False, v1_env, part="v4-matrix", timeout=180)
     # from 0.23 the route drops breakable piecewise graphs (dspark.v4_cudagraphs);
-    # this engine keeps them, to follow the fault that made it
-    kept = {**overlay_env, V4_PIECEWISE_SETTING: "on"}
+    # these engines keep them, for the drafter too or the target alone, to follow
+    # the fault that made it
     piecewise = [
-        replace(job, name=f"{job.name}-piecewise", env=kept, min_version=V4_BREAKABLE_FROM)
+        replace(
+            job,
+            name=f"{job.name}{suffix}",
+            env={**overlay_env, V4_PIECEWISE_SETTING: choice},
+            min_version=V4_BREAKABLE_FROM,
+        )
         for job in jobs
         if job.part == "v4-compiled" and job.overlay
+        for choice, suffix in V4_PIECEWISE_KEPT.items()
     ]
     return [*wide_below_warp_norm(jobs), routing, *piecewise]
 
@@ -2058,12 +2065,12 @@ CHECKS: dict[str, Check] = {
     },
     **{
         f"v4 matrix (diagnostic): DSpark N={n} through the overlay on V1, breakable "
-        f"piecewise graphs kept ({V4_PIECEWISE_SETTING}=on), lossless in every phase": (
-            lossless_in_every_phase(
-                "v4-matrix-compiled-reference", f"v4-matrix-compiled-n{n}-piecewise"
-            )
+        f"piecewise graphs kept ({V4_PIECEWISE_SETTING}={choice}), lossless in every "
+        "phase": lossless_in_every_phase(
+            "v4-matrix-compiled-reference", f"v4-matrix-compiled-n{n}{suffix}"
         )
         for n in V4_MATRIX_SPEC_TOKENS
+        for choice, suffix in V4_PIECEWISE_KEPT.items()
     },
     **{
         f"v4: the overlay's V1 route refuses N={n} in one line": refused_in_one_line(

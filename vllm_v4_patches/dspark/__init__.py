@@ -165,7 +165,8 @@ RECORD = PatchRecord(
         "captures V4 in breakable CUDA graphs (0.23+), the route drops the piecewise "
         "half of the cudagraph mode before the runner is built (dspark.v4_cudagraphs: "
         "FULL_AND_PIECEWISE -> FULL_DECODE_ONLY, PIECEWISE -> NONE; "
-        "VLLM_V4_DSPARK_V4_PIECEWISE=on keeps it), because the route was not lossless "
+        "VLLM_V4_DSPARK_V4_PIECEWISE=target keeps it for the target alone, =on for the "
+        "drafter too), because the route was not lossless "
         "under it on the H200."
     ),
     upstream=(

@@ -7,10 +7,13 @@ captured segments, for mixed prefill-decode batches (the piecewise half of
 FULL_AND_PIECEWISE) and, in the V1 runner, for the drafter's forward too. Under that
 mode the overlay's V4 route was not lossless on the H200, where the same engines
 with FULL_DECODE_ONLY or NONE were (vLLM 0.24.0; docs/dspark.md, section 13). Which
-captured piece goes wrong is not isolated yet, so the route drops the piecewise
-half, as ``CUDAGraphMode.without_piecewise()`` does: decode batches keep their full
-graphs. ``VLLM_V4_DSPARK_V4_PIECEWISE=on`` keeps vLLM's mode, for finding the fault
-on a GPU.
+captured piece goes wrong is not isolated yet, so by default the route drops the
+piecewise half, as ``CUDAGraphMode.without_piecewise()`` does: decode batches keep
+their full graphs.
+
+``VLLM_V4_DSPARK_V4_PIECEWISE``, for finding the fault on a GPU: ``off`` (that
+default), ``target`` (vLLM's mode for the target, the drafter's forward without
+graphs) or ``on`` (vLLM's mode for both).
 """
 
 from __future__ import annotations
@@ -19,16 +22,21 @@ import logging
 from typing import Any
 
 SETTING = "VLLM_V4_DSPARK_V4_PIECEWISE"
-CHOICES = ("off", "on")
+CHOICES = ("off", "target", "on")
 
 logger = logging.getLogger("vllm_v4_patches")
+
+
+def setting() -> str:
+    from vllm_v4_patches.toggles import read_choice
+
+    return read_choice(SETTING, CHOICES, "keeping piecewise graphs off")
 
 
 def keep_off_piecewise(vllm_config: Any) -> None:
     """Before the V1 runner of a V4-stages DSpark engine reads its cudagraph mode:
     without the piecewise half where breakable graphs would capture it."""
     from vllm_v4_patches.graph_modes import breakable_cudagraphs_enabled, without_piecewise
-    from vllm_v4_patches.toggles import read_choice
 
     compilation = vllm_config.compilation_config
     mode = compilation.cudagraph_mode
@@ -36,12 +44,15 @@ def keep_off_piecewise(vllm_config: Any) -> None:
         return
     if not breakable_cudagraphs_enabled():
         return  # 0.20-0.22: piecewise graphs of the compiled model, measured lossless
-    if read_choice(SETTING, CHOICES, "keeping piecewise graphs off") == "on":
+    choice = setting()
+    if choice != "off":
         logger.warning(
-            "vllm_v4_patches: dspark: %s=on keeps cudagraph mode %s for DeepSeek-V4's "
-            "own stages on V1; its breakable piecewise graphs lost tokens on the H200",
+            "vllm_v4_patches: dspark: %s=%s keeps cudagraph mode %s for DeepSeek-V4's "
+            "own stages on V1 (%s); its breakable piecewise graphs lost tokens on the H200",
             SETTING,
+            choice,
             mode.name,
+            "the drafter's forward without graphs" if choice == "target" else "the drafter's too",
         )
         return
     demoted = without_piecewise(mode)
@@ -53,3 +64,10 @@ def keep_off_piecewise(vllm_config: Any) -> None:
         SETTING,
     )
     compilation.cudagraph_mode = demoted
+
+
+def drafter_graphs_allowed() -> bool:
+    """Whether the V4 drafter's forward may replay graphs: not under ``target``."""
+    from vllm_v4_patches.graph_modes import breakable_cudagraphs_enabled
+
+    return not (breakable_cudagraphs_enabled() and setting() == "target")

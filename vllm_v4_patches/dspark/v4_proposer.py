@@ -130,6 +130,14 @@ def v4_proposer_class() -> type:
         def model_returns_tuple(self) -> bool:
             return False
 
+        def _determine_batch_execution_and_padding(
+            self, num_tokens: int, use_cudagraphs: bool = True
+        ) -> tuple[Any, int, Any]:
+            from vllm_v4_patches.dspark.v4_cudagraphs import drafter_graphs_allowed
+
+            allowed = use_cudagraphs and drafter_graphs_allowed()
+            return super()._determine_batch_execution_and_padding(num_tokens, allowed)
+
         def load_confidence_head(self) -> None:
             # vLLM's V4 class drops the head's tensor; a local checkpoint's is read here
             import os
