@@ -33,17 +33,10 @@ def draft_config(v4: bool) -> types.SimpleNamespace:
 
 def engine_config(mode_name: str, v4: bool = True):
     pytest.importorskip("torch")
-    from vllm.config import CompilationConfig, VllmConfig
-    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from graph_configs import cuda_like_config
+    from vllm.config.compilation import CUDAGraphMode
 
-    config = VllmConfig(compilation_config=CompilationConfig())
-    compilation = config.compilation_config
-    # what a CUDA platform leaves and the CPU platform rewrites
-    compilation.mode = CompilationMode.VLLM_COMPILE
-    compilation.splitting_ops = list(compilation._attention_ops)
-    compilation.cudagraph_capture_sizes = [1, 2, 4, 8]
-    compilation.max_cudagraph_capture_size = 8
-    compilation.cudagraph_mode = CUDAGraphMode[mode_name]
+    config = cuda_like_config(CUDAGraphMode[mode_name])
     draft = types.SimpleNamespace(hf_config=draft_config(v4))
     speculative = types.SimpleNamespace(
         method="dspark", draft_model_config=draft, num_speculative_tokens=5

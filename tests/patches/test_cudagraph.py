@@ -20,7 +20,7 @@ from vllm_v4_patches.sources import InstalledSource
 def vllm_parts():
     torch = pytest.importorskip("torch")
     from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
-    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.config.compilation import CUDAGraphMode
 
     class CompiledBlock(torch.nn.Module, TorchCompileWithNoGuardsWrapper):
         """Marks itself as an active @support_torch_compile module, as vLLM's decorator does."""
@@ -32,7 +32,6 @@ def vllm_parts():
     return types.SimpleNamespace(
         torch=torch,
         Mode=CUDAGraphMode,
-        VLLM_COMPILE=CompilationMode.VLLM_COMPILE,
         Block=CompiledBlock,
     )
 
@@ -46,17 +45,12 @@ def model(parts, compiled: bool | None):
 
 
 def runner(parts, mode, net):
-    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from graph_configs import cuda_like_config
+    from vllm.config import set_current_vllm_config
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
-    config = VllmConfig(compilation_config=CompilationConfig())
+    config = cuda_like_config(mode)
     compilation = config.compilation_config
-    # The CPU platform rewrites these; set what a CUDA platform would leave.
-    compilation.mode = parts.VLLM_COMPILE
-    compilation.splitting_ops = list(compilation._attention_ops)
-    compilation.cudagraph_capture_sizes = [1, 2, 4, 8]
-    compilation.max_cudagraph_capture_size = 8
-    compilation.cudagraph_mode = mode
     with set_current_vllm_config(config):
         dispatcher = CudagraphDispatcher(config)
     return types.SimpleNamespace(
