@@ -156,8 +156,10 @@ def test_target_keeps_the_runners_piecewise_graphs_and_the_drafter_runs_without(
     monkeypatch.setenv(v4_cudagraphs.SETTING, choice)
     runner = built_runner(engine_config("FULL_AND_PIECEWISE"))
     assert runner.compilation_config.cudagraph_mode.name == "FULL_AND_PIECEWISE"
-    drafter = object.__new__(v4_proposer_class())  # the method reads these two only
+    # the method reads these three only; __init__ sets the last from the setting
+    drafter = object.__new__(v4_proposer_class())
     drafter.cudagraph_dispatcher = runner.cudagraph_dispatcher
     drafter.vllm_config = runner.vllm_config
+    drafter.draft_graphs = v4_cudagraphs.drafter_graphs_allowed()
     mode, padded, _ = drafter._determine_batch_execution_and_padding(5)
     assert (mode.name, padded) == expected

@@ -1663,13 +1663,20 @@ def cudagraph_mode(job: str, piecewise: bool) -> Check:
     holds piecewise shapes (``piecewise``: the stock symptom expected)."""
 
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
-        facts = result_of(outcomes, job).get("cudagraphs") or {}
-        if not facts.get("mode"):
-            raise Missing(f"{job} saved no cudagraph mode")
-        has_piecewise = "PIECEWISE" in facts["mode"] or facts["keys"].get("PIECEWISE", 0) > 0
-        return has_piecewise == piecewise, f"mode {facts['mode']}, dispatcher keys {facts['keys']}"
+        has_piecewise, figure = piecewise_graphs(outcomes, job)
+        return has_piecewise == piecewise, figure
 
     return check
+
+
+def piecewise_graphs(outcomes: dict[str, Outcome], job: str) -> tuple[bool, str]:
+    """Whether an engine's runner kept piecewise graphs (its mode or its dispatcher's
+    keys), and its mode and keys as a figure."""
+    facts = result_of(outcomes, job).get("cudagraphs") or {}
+    if not facts.get("mode"):
+        raise Missing(f"{job} saved no cudagraph mode")
+    has_piecewise = "PIECEWISE" in facts["mode"] or facts["keys"].get("PIECEWISE", 0) > 0
+    return has_piecewise, f"mode {facts['mode']}, dispatcher keys {facts['keys']}"
 
 
 # vLLM's own warning where an engine runs breakable CUDA graphs (0.22+)
@@ -1681,15 +1688,10 @@ def route_graph_mode(job: str) -> Check:
     none where vLLM captures it in breakable graphs, which the route drops."""
 
     def check(outcomes: dict[str, Outcome]) -> tuple[bool, str]:
-        facts = result_of(outcomes, job).get("cudagraphs") or {}
-        if not facts.get("mode"):
-            raise Missing(f"{job} saved no cudagraph mode")
+        has_piecewise, figure = piecewise_graphs(outcomes, job)
         breakable = BREAKABLE_LINE in outcomes[job].log
-        has_piecewise = "PIECEWISE" in facts["mode"] or facts["keys"].get("PIECEWISE", 0) > 0
         capture = "breakable" if breakable else "compiled-model"
-        return has_piecewise != breakable, (
-            f"{capture} capture: mode {facts['mode']}, dispatcher keys {facts['keys']}"
-        )
+        return has_piecewise != breakable, f"{capture} capture: {figure}"
 
     return check
 

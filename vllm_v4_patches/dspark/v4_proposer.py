@@ -118,6 +118,10 @@ def v4_proposer_class() -> type:
         def __init__(self, vllm_config: Any, device: Any, runner: Any = None) -> None:
             super().__init__(vllm_config, device, runner)
             self.runner = runner
+            from vllm_v4_patches.dspark.v4_cudagraphs import drafter_graphs_allowed
+
+            # read once: the draft's dispatch asks for it every draft step
+            self.draft_graphs = drafter_graphs_allowed()
             self.draft_groups: list[DraftGroup] = []
             width = self.draft_model_config.get_hidden_size()
             if self.hidden_size != width:
@@ -133,9 +137,7 @@ def v4_proposer_class() -> type:
         def _determine_batch_execution_and_padding(
             self, num_tokens: int, use_cudagraphs: bool = True
         ) -> tuple[Any, int, Any]:
-            from vllm_v4_patches.dspark.v4_cudagraphs import drafter_graphs_allowed
-
-            allowed = use_cudagraphs and drafter_graphs_allowed()
+            allowed = use_cudagraphs and self.draft_graphs
             return super()._determine_batch_execution_and_padding(num_tokens, allowed)
 
         def load_confidence_head(self) -> None:
