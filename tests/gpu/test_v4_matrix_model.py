@@ -72,8 +72,10 @@ def compiled_models(version: str) -> set[str]:
     names = {"v4-nospec", "v4-dspark-overlay-v1-compiled"}
     names |= {"v4-matrix-compiled-reference", "v4-matrix-compiled-n5"}
     if Version(version) >= Version(suite.V4_BREAKABLE_FROM):
-        # breakable graphs kept, for the drafter too or the target alone
+        # breakable graphs kept, for the drafter too or the target alone, and stock in
+        # the mode that keeps them
         names |= {"v4-matrix-compiled-n5-piecewise", "v4-matrix-compiled-n5-piecewise-target"}
+        names.add("v4-matrix-compiled-reference-piecewise")
     assert {job.name for job in jobs} == names
     return {arg for job in jobs for arg in job.args if "tiny-v4" in arg}
 
@@ -84,3 +86,22 @@ def test_the_compiled_part_serves_the_matrix_model_of_its_release():
     assert compiled_models("0.20.2") == {str(suite.TINY_V4_WIDE)}
     for version in ("0.21.0", "0.24.0", "0.26.0"):
         assert compiled_models(version) == {str(suite.TINY_V4)}
+
+
+def graph_mode_of(version: str, name: str) -> str | None:
+    (job,) = [job for job in suite.jobs_for(version) if job.name == name]
+    flag = "--cudagraph-mode"
+    return job.args[job.args.index(flag) + 1] if flag in job.args else None
+
+
+def test_the_compiled_reference_runs_the_mode_the_route_serves():
+    """Where vLLM captures V4 breakably the route serves decode-only full graphs
+    (dspark.v4_cudagraphs), so the reference it is judged against does too, and stock's
+    default mode judges the engines that keep the piecewise half; where the model is
+    compiled, both run vLLM's default."""
+    for version in ("0.20.2", "0.22.1"):
+        assert graph_mode_of(version, "v4-matrix-compiled-reference") is None
+    for version in ("0.23.0", "0.24.0", "0.26.0"):
+        assert graph_mode_of(version, "v4-matrix-compiled-reference") == "FULL_DECODE_ONLY"
+        assert graph_mode_of(version, "v4-matrix-compiled-reference-piecewise") is None
+        assert graph_mode_of(version, "v4-matrix-compiled-n5") is None
