@@ -4,6 +4,7 @@
 #   tools/gpu/run.sh install VERSION        install the release (once) under /tmp/gpu-site
 #   tools/gpu/run.sh suite VERSION [ARGS]   install the release (once), run the suite
 #   tools/gpu/run.sh python VERSION ARGS    install the release (once), run python3 ARGS
+#   tools/gpu/run.sh site-path VERSION      the installed release's import path
 #   tools/gpu/run.sh detach VERSION [ARGS]  as suite, but in its own process session
 #   tools/gpu/run.sh collect VERSION [WAIT] wait up to WAIT s for it; hand back its files
 #   tools/gpu/run.sh prebuild VERSION MODEL build a suite model (tiny-v4-e128) in the
@@ -19,7 +20,7 @@ command=$1 version=$2
 shift 2
 staged=.cache/gpu-stage/$version
 held=/tmp/gpu-stage/$version
-site=/tmp/gpu-site/$version
+site=${GPU_SITE_ROOT:-/tmp/gpu-site}/$version
 
 receive() {
   mkdir -p "$held"
@@ -65,21 +66,20 @@ unpack_kernels() {
   echo "kernel cache unpacked: $(du -sh .cache/gpu-kernels | cut -f1)"
 }
 
-# the release's folder, and the folders its wheels' .pth files name (the CUTLASS DSL's
-# package folder: dsl_packages in 4.4, python_packages in 4.5): only a real site
-# directory reads .pth files, and pip --target is not one
+# the release's folder, and the folders its wheels' .pth files add: only a real site
+# directory reads .pth files, and pip --target is not one. Python's own site module
+# reads them here, as a site directory would: the CUTLASS DSL's names its package
+# folder as a line (dsl_packages in 4.4, python_packages in 4.5) or adds it from an
+# import line (4.6)
 site_path() {
-  local path=$site pth line
-  for pth in "$site"/*.pth; do
-    [ -f "$pth" ] || continue
-    while IFS= read -r line || [ -n "$line" ]; do
-      case $line in "" | "#"* | import*) continue ;; esac
-      if [ -d "$site/$line" ] && [[ ":$path:" != *":$site/$line:"* ]]; then
-        path=$path:$site/$line
-      fi
-    done <"$pth"
-  done
-  echo "$path"
+  python3 - "$site" <<'PY'
+import os, site, sys
+folder = sys.argv[1]
+before = set(sys.path)
+site.addsitedir(folder)
+added = [path for path in sys.path if path not in before and path != folder]
+print(os.pathsep.join([folder, *added]))
+PY
 }
 
 detached=/tmp/gpu-detached/$version
@@ -154,9 +154,10 @@ case $command in
     ;;
   collect) collect "$@" ;;
   prebuild) prebuild "$@" ;;
+  site-path) site_path ;;
   python)
     prepare
     with_site python3 "$@"
     ;;
-  *) echo "usage: tools/gpu/run.sh receive|install|suite|detach|collect|prebuild|python VERSION [args]" >&2; exit 2 ;;
+  *) echo "usage: tools/gpu/run.sh receive|install|suite|detach|collect|prebuild|python|site-path VERSION [args]" >&2; exit 2 ;;
 esac
