@@ -1,6 +1,6 @@
 """Two GPU suites in one hold (two releases detached side by side) build their models
-one at a time: ``suite.models_lock`` around ``suite.build_models``. Real processes
-race for the folder; no GPU is needed for the lock itself."""
+one at a time, each model under its own ``suite.models_lock``. Real processes race
+for the folder; no GPU is needed for the lock itself."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ sys.path.insert(0, {tools!r})
 import suite
 models, log, start, locked = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4] == "1"
 time.sleep(max(0.0, start - time.time()))
-with (suite.models_lock(suite.Path(models)) if locked else nullcontext()):
+with (suite.models_lock(suite.Path(models), "tiny-v4") if locked else nullcontext()):
     with open(log, "a") as out:
         out.write("enter\\n")
     time.sleep(0.5)
@@ -63,8 +63,39 @@ def test_a_prebuild_holds_the_folder_until_its_model_is_written(tmp_path, monkey
     builder = threading.Thread(target=suite.prebuild, args=(wide.name,))
     builder.start()
     time.sleep(0.3)  # the builder holds the lock by now
-    with suite.models_lock(suite.MODELS):
+    with suite.models_lock(suite.MODELS, wide.name):
         assert (wide / "config.json").exists()
+    builder.join(timeout=30)
+
+
+def test_a_suite_whose_model_is_built_does_not_wait_for_another_models_build(tmp_path, monkeypatch):
+    """A 128-expert prebuild (minutes) runs while a suite that needs only the built
+    8-expert model starts: that suite's ``build_models`` returns at once."""
+    sys.path.insert(0, str(REPO / "tools" / "gpu"))
+    import threading
+
+    import suite
+
+    models = tmp_path / "models"
+    small, wide = models / suite.TINY_V4.name, models / suite.TINY_V4_WIDE.name
+    small.mkdir(parents=True)
+    (small / "config.json").write_text("{}")
+    monkeypatch.setattr(suite, "MODELS", models)
+    monkeypatch.setattr(suite, "TINY_V4", small)
+    monkeypatch.setattr(suite, "TINY_V4_WIDE", wide)
+    write = f"import time, pathlib; time.sleep(3.0); p = pathlib.Path({str(wide)!r}); "
+    write += "p.mkdir(parents=True); (p / 'config.json').write_text('{}')"
+    monkeypatch.setattr(suite, "v4_build", lambda model: [sys.executable, "-c", write])
+    builder = threading.Thread(target=suite.prebuild, args=(wide.name,))
+    builder.start()
+    time.sleep(0.3)  # the builder holds the wide model's lock by now
+    needs_small = [suite.Job("v4-small", [str(small)], False, {}, part="v4-compiled")]
+    needs_wide = [suite.Job("v4-wide", [str(wide)], False, {}, part="v4-compiled")]
+    suite.build_models(needs_small)
+    assert not (wide / "config.json").exists()  # returned before the wide build ended
+    # the control: a suite that needs the wide model waits for its build
+    suite.build_models(needs_wide)
+    assert (wide / "config.json").exists()
     builder.join(timeout=30)
 
 
