@@ -120,3 +120,48 @@ def test_a_wheel_without_the_moe_library_is_refused(stage, tmp_path):
     out = staged_wheel(stage, tmp_path, {"vllm/_C.abi3.so": b"other"})
     with pytest.raises(SystemExit, match="no vllm/_moe_C library"):
         stage.extract_moe_library(out, tmp_path / "probe")
+
+
+def test_a_v4_closure_gets_the_cutlass_dsl_cuda13_flavour_at_the_dsls_version(stage):
+    plain = ["nvidia_cutlass_dsl==4.8.1", "nvidia-cutlass-dsl-libs-base==4.8.1", "z3-solver==4.15"]
+    assert stage.with_cuda13_flavour(plain) == [*plain, "nvidia-cutlass-dsl-libs-cu13==4.8.1"]
+    flavoured = ["nvidia-cutlass-dsl==4.6.0", "nvidia-cutlass-dsl-libs-cu13==4.6.0"]
+    assert stage.with_cuda13_flavour(flavoured) == flavoured
+    assert stage.with_cuda13_flavour(["quack-kernels==0.6.5"]) == ["quack-kernels==0.6.5"]
+
+
+def test_a_fresh_machine_stages_the_kept_pins_and_resolve_rewrites_them(stage, tmp_path):
+    """The resolver is a stand-in here (the real one asks the package index): the pins
+    are what a fresh machine stages, and only ``--resolve`` (or extras) resolves."""
+    stage.PINS = tmp_path / "pins"
+    resolved = {"now": ["nvidia-cutlass-dsl==4.8.1", "z3-solver==4.15", "cuda-tile==1.0"]}
+    stage.resolve = lambda version, extras, scratch: resolved["now"] + extras
+    first = stage.closure("0.20.2", True, [], tmp_path, again=False)
+    assert "nvidia-cutlass-dsl-libs-cu13==4.8.1" in first
+    pins = tmp_path / "pins" / "0.20.2-v4.txt"
+    assert pins.read_text().startswith("# 0.20.2-v4:")
+    resolved["now"] = ["nvidia-cutlass-dsl==4.9.0", "z3-solver==4.16"]  # the index moved
+    assert sorted(stage.closure("0.20.2", True, [], tmp_path, again=False)) == sorted(first)
+    with_extra = stage.closure("0.20.2", True, ["quack-kernels==0.6.5"], tmp_path, again=False)
+    assert "quack-kernels==0.6.5" in with_extra
+    assert sorted(stage.read_pins(pins)) == sorted(first)  # extras leave the pins alone
+    again = stage.closure("0.20.2", True, [], tmp_path, again=True)
+    assert sorted(stage.read_pins(pins)) == sorted(again)
+    assert "nvidia-cutlass-dsl-libs-cu13==4.9.0" in again
+    # without --v4 the V4-only wheels are not staged, and the pins are their own file
+    assert stage.closure("0.20.2", False, [], tmp_path, again=False) == []
+
+
+def test_the_kept_pins_are_what_the_stager_would_keep(stage):
+    files = sorted((REPO / "tools" / "gpu" / "pins").glob("*.txt"))
+    assert files
+    for pins in files:
+        wanted = stage.read_pins(pins)
+        names = [stage.normalise(w.split("==")[0]) for w in wanted]
+        assert all(w.count("==") == 1 for w in wanted), pins.name
+        assert not set(names) & stage.NOT_NEEDED, pins.name
+        assert len(set(names)) == len(names), pins.name
+        if pins.stem.endswith("-v4"):
+            assert stage.with_cuda13_flavour(wanted) == wanted, pins.name
+        else:
+            assert not set(names) & stage.V4_ONLY, pins.name

@@ -18,6 +18,10 @@ joins and installs them there). Steps, all through pip by package name:
 4. tar the wheels and split the tar into chunks, with a manifest.
 
 Everything is cached per version (and per ``--v4``): a second run returns at once.
+The closure of step 2 is kept in ``tools/gpu/pins/VERSION[-v4].txt`` (tracked): the
+index moves on, and an unpinned dependency resolved on another day can break an
+engine that passed (the CUTLASS DSL did, twice). A fresh machine stages the pinned
+closure; ``--resolve`` resolves it again and rewrites the pins.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 STAGE_ROOT = REPO / ".cache" / "gpu-stage"
+PINS = HERE / "pins"
 # the routing probe's carry (tools/gpu/hash_routing_probe.py --library): the release's
 # MoE kernel library alone, 37-44 MiB, so one call on a fresh machine runs it
 PROBE_ROOT = REPO / ".cache" / "gpu-probe"
@@ -87,6 +92,12 @@ V4_ONLY = {
     "tilelang",
     "z3-solver",
 }
+# the CUTLASS DSL loads its compiler from one CUDA flavour's libs wheel. A closure that
+# asks for plain ``nvidia-cutlass-dsl`` (0.20.x, through its kernel libraries) gets the
+# CUDA 12 flavour by default from 4.8, which NOT_NEEDED drops: without the CUDA 13 one
+# an engine stops on "No CTK flavor installed" (0.20.2 staged on 2026-12-08)
+CUTLASS_DSL = "nvidia-cutlass-dsl"
+CUTLASS_CUDA13 = "nvidia-cutlass-dsl-libs-cu13"
 # files of the vLLM wheel that a Hopper engine under CPython 3.12 never loads
 WHEEL_TRIM = (
     re.compile(r"^vllm/vllm_flash_attn/_vllm_fa2_C\."),  # Ampere FA2; Hopper runs FA3
@@ -162,6 +173,16 @@ def resolve(version: str, extras: list[str], scratch: Path) -> list[str]:
     return wanted
 
 
+def with_cuda13_flavour(wanted: list[str]) -> list[str]:
+    """``wanted`` plus the CUTLASS DSL's CUDA 13 libs at the DSL's own version, where
+    the closure has the DSL without them (the GPU image is CUDA 13)."""
+    pins = dict(item.split("==", 1) for item in wanted)
+    names = {normalise(name): version for name, version in pins.items()}
+    if CUTLASS_DSL not in names or CUTLASS_CUDA13 in names:
+        return wanted
+    return [*wanted, f"{CUTLASS_CUDA13}=={names[CUTLASS_DSL]}"]
+
+
 def trim_vllm_wheel(original: Path, dest_dir: Path) -> Path:
     """Re-zip the vLLM wheel without WHEEL_TRIM's files, RECORD rewritten to match."""
     dest = dest_dir / original.name
@@ -180,16 +201,46 @@ def trim_vllm_wheel(original: Path, dest_dir: Path) -> Path:
     return dest
 
 
-def stage(version: str, with_v4: bool, extras: list[str]) -> Path:
+def pins_file(version: str, with_v4: bool) -> Path:
+    return PINS / f"{version}{'-v4' if with_v4 else ''}.txt"
+
+
+def read_pins(pins: Path) -> list[str]:
+    return [line for line in pins.read_text().splitlines() if line and not line.startswith("#")]
+
+
+def write_pins(pins: Path, wanted: list[str]) -> None:
+    PINS.mkdir(exist_ok=True)
+    header = f"# {pins.stem}: the closure tools/gpu/stage.py stages; --resolve rewrites it\n"
+    pins.write_text(header + "".join(f"{w}\n" for w in sorted(wanted, key=str.lower)))
+
+
+def closure(
+    version: str, with_v4: bool, extras: list[str], scratch: Path, again: bool
+) -> list[str]:
+    """The wheels to stage as ``name==version``: the kept pins, or (``again``, no pins
+    yet, or extras asked for) a fresh resolution, kept as the pins unless extras
+    shaped it."""
+    pins = pins_file(version, with_v4)
+    if pins.exists() and not again and not extras:
+        return read_pins(pins)
+    skip = NOT_NEEDED | (set() if with_v4 else V4_ONLY)
+    resolved = resolve(version, extras, scratch)
+    wanted = [w for w in resolved if normalise(w.split("==")[0]) not in skip]
+    if with_v4:
+        wanted = with_cuda13_flavour(wanted)
+    if not extras:
+        write_pins(pins, wanted)
+    return wanted
+
+
+def stage(version: str, with_v4: bool, extras: list[str], again: bool = False) -> Path:
     out = STAGE_ROOT / (version + ("-v4" if with_v4 else ""))
-    if (out / "manifest.json").exists():
+    if (out / "manifest.json").exists() and not again:
         return rechunk(out)
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        skip = NOT_NEEDED | (set() if with_v4 else V4_ONLY)
-        wanted = [
-            w for w in resolve(version, extras, scratch) if normalise(w.split("==")[0]) not in skip
-        ]
+        wanted = closure(version, with_v4, extras, scratch, again)
         wheels = scratch / "wheels"
         pip("download", "-q", "--no-deps", "-d", str(wheels), *wanted)
         original = scratch / "vllm-original"
@@ -283,9 +334,14 @@ def main() -> None:
         action="store_true",
         help="also copy the release's MoE kernel library to .cache/gpu-probe/VERSION",
     )
+    parser.add_argument(
+        "--resolve",
+        action="store_true",
+        help="resolve the closure again (not the pins in tools/gpu/pins) and stage it",
+    )
     parser.add_argument("extras", nargs="*", help="more requirements to stage")
     args = parser.parse_args()
-    out = stage(args.version, args.v4, args.extras)
+    out = stage(args.version, args.v4, args.extras, args.resolve)
     if args.moe_library:
         library = extract_moe_library(out)
         print(f"{library.relative_to(REPO)}: {library.stat().st_size / 2**20:.1f} MiB")
