@@ -20,8 +20,8 @@ joins and installs them there). Steps, all through pip by package name:
 Everything is cached per version (and per ``--v4``): a second run returns at once.
 The closure of step 2 is kept in ``tools/gpu/pins/VERSION[-v4].txt`` (tracked): the
 index moves on, and an unpinned dependency resolved on another day can break an
-engine that passed (the CUTLASS DSL did, twice). A fresh machine stages the pinned
-closure; ``--resolve`` resolves it again and rewrites the pins.
+engine that passed. A fresh machine stages the pinned closure; ``--resolve``
+resolves it again and rewrites the pins.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ V4_ONLY = {
 # the CUTLASS DSL loads its compiler from one CUDA flavour's libs wheel. A closure that
 # asks for plain ``nvidia-cutlass-dsl`` (0.20.x, through its kernel libraries) gets the
 # CUDA 12 flavour by default from 4.8, which NOT_NEEDED drops: without the CUDA 13 one
-# an engine stops on "No CTK flavor installed" (0.20.2 staged on 2026-12-08)
+# an engine stops on "No CTK flavor installed"
 CUTLASS_DSL = "nvidia-cutlass-dsl"
 CUTLASS_CUDA13 = "nvidia-cutlass-dsl-libs-cu13"
 # files of the vLLM wheel that a Hopper engine under CPython 3.12 never loads
@@ -176,8 +176,8 @@ def resolve(version: str, extras: list[str], scratch: Path) -> list[str]:
 def with_cuda13_flavour(wanted: list[str]) -> list[str]:
     """``wanted`` plus the CUTLASS DSL's CUDA 13 libs at the DSL's own version, where
     the closure has the DSL without them (the GPU image is CUDA 13)."""
-    pins = dict(item.split("==", 1) for item in wanted)
-    names = {normalise(name): version for name, version in pins.items()}
+    pairs = (item.split("==", 1) for item in wanted)
+    names = {normalise(name): version for name, version in pairs}
     if CUTLASS_DSL not in names or CUTLASS_CUDA13 in names:
         return wanted
     return [*wanted, f"{CUTLASS_CUDA13}=={names[CUTLASS_DSL]}"]

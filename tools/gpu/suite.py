@@ -2256,7 +2256,7 @@ def models_lock(models: Path, model: str) -> Iterator[None]:
     """Hold one model's build alone: two releases' suites detached in one hold share the
     folder, and a build that sees another's half-written checkpoint would remove it.
     One lock per model, so a suite whose model is built does not wait behind another
-    model's build (a 128-expert prebuild held a 0.26.0 suite 3 minutes, 2026-12-08)."""
+    model's build (the 128-expert one takes minutes)."""
     import fcntl
 
     models.mkdir(parents=True, exist_ok=True)
