@@ -45,32 +45,11 @@ def test_two_suites_take_the_models_folder_in_turn(tmp_path):
     assert race(tmp_path, locked=False) == ["enter", "enter", "leave", "leave"]
 
 
-def test_a_prebuild_holds_the_folder_until_its_model_is_written(tmp_path, monkeypatch):
-    """``run.sh prebuild`` (``suite.prebuild``) builds under the same lock, so a suite
-    detached while it runs waits and then finds the model. The build command is a
-    stand-in that writes the config after a pause (the real one writes 11 GB)."""
-    sys.path.insert(0, str(REPO / "tools" / "gpu"))
-    import threading
-
-    import suite
-
-    wide = tmp_path / "models" / suite.TINY_V4_WIDE.name
-    monkeypatch.setattr(suite, "MODELS", tmp_path / "models")
-    monkeypatch.setattr(suite, "TINY_V4_WIDE", wide)
-    write = f"import time, pathlib; time.sleep(1.0); p = pathlib.Path({str(wide)!r}); "
-    write += "p.mkdir(parents=True); (p / 'config.json').write_text('{}')"
-    monkeypatch.setattr(suite, "v4_build", lambda model: [sys.executable, "-c", write])
-    builder = threading.Thread(target=suite.prebuild, args=(wide.name,))
-    builder.start()
-    time.sleep(0.3)  # the builder holds the lock by now
-    with suite.models_lock(suite.MODELS, wide.name):
-        assert (wide / "config.json").exists()
-    builder.join(timeout=30)
-
-
-def test_a_suite_whose_model_is_built_does_not_wait_for_another_models_build(tmp_path, monkeypatch):
-    """A 128-expert prebuild (minutes) runs while a suite that needs only the built
-    8-expert model starts: that suite's ``build_models`` returns at once."""
+def prebuilding_wide(tmp_path: Path, monkeypatch, pause: float):
+    """The suite module, pointed at a models folder under ``tmp_path``, and a thread
+    running ``suite.prebuild`` of the wide model, already holding its lock. The build
+    command is a stand-in that writes the config after ``pause`` s (the real one
+    writes 11 GB)."""
     sys.path.insert(0, str(REPO / "tools" / "gpu"))
     import threading
 
@@ -78,17 +57,33 @@ def test_a_suite_whose_model_is_built_does_not_wait_for_another_models_build(tmp
 
     models = tmp_path / "models"
     small, wide = models / suite.TINY_V4.name, models / suite.TINY_V4_WIDE.name
-    small.mkdir(parents=True)
-    (small / "config.json").write_text("{}")
-    monkeypatch.setattr(suite, "MODELS", models)
-    monkeypatch.setattr(suite, "TINY_V4", small)
-    monkeypatch.setattr(suite, "TINY_V4_WIDE", wide)
-    write = f"import time, pathlib; time.sleep(3.0); p = pathlib.Path({str(wide)!r}); "
+    for name, value in (("MODELS", models), ("TINY_V4", small), ("TINY_V4_WIDE", wide)):
+        monkeypatch.setattr(suite, name, value)
+    write = f"import time, pathlib; time.sleep({pause}); p = pathlib.Path({str(wide)!r}); "
     write += "p.mkdir(parents=True); (p / 'config.json').write_text('{}')"
     monkeypatch.setattr(suite, "v4_build", lambda model: [sys.executable, "-c", write])
     builder = threading.Thread(target=suite.prebuild, args=(wide.name,))
     builder.start()
     time.sleep(0.3)  # the builder holds the wide model's lock by now
+    return suite, builder
+
+
+def test_a_prebuild_holds_the_folder_until_its_model_is_written(tmp_path, monkeypatch):
+    """``run.sh prebuild`` (``suite.prebuild``) builds under the model's lock, so a
+    suite detached while it runs waits and then finds the model."""
+    suite, builder = prebuilding_wide(tmp_path, monkeypatch, pause=1.0)
+    with suite.models_lock(suite.MODELS, suite.TINY_V4_WIDE.name):
+        assert (suite.TINY_V4_WIDE / "config.json").exists()
+    builder.join(timeout=30)
+
+
+def test_a_suite_whose_model_is_built_does_not_wait_for_another_models_build(tmp_path, monkeypatch):
+    """A 128-expert prebuild (minutes) runs while a suite that needs only the built
+    8-expert model starts: that suite's ``build_models`` returns at once."""
+    suite, builder = prebuilding_wide(tmp_path, monkeypatch, pause=3.0)
+    small, wide = suite.TINY_V4, suite.TINY_V4_WIDE
+    small.mkdir(parents=True)
+    (small / "config.json").write_text("{}")
     needs_small = [suite.Job("v4-small", [str(small)], False, {}, part="v4-compiled")]
     needs_wide = [suite.Job("v4-wide", [str(wide)], False, {}, part="v4-compiled")]
     suite.build_models(needs_small)
