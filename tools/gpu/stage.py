@@ -201,8 +201,13 @@ def trim_vllm_wheel(original: Path, dest_dir: Path) -> Path:
     return dest
 
 
+def staged_name(version: str, with_v4: bool) -> str:
+    """The name of a staged release's folder and of its pins."""
+    return version + ("-v4" if with_v4 else "")
+
+
 def pins_file(version: str, with_v4: bool) -> Path:
-    return PINS / f"{version}{'-v4' if with_v4 else ''}.txt"
+    return PINS / f"{staged_name(version, with_v4)}.txt"
 
 
 def read_pins(pins: Path) -> list[str]:
@@ -235,7 +240,7 @@ def closure(
 
 
 def stage(version: str, with_v4: bool, extras: list[str], again: bool = False) -> Path:
-    out = STAGE_ROOT / (version + ("-v4" if with_v4 else ""))
+    out = STAGE_ROOT / staged_name(version, with_v4)
     if (out / "manifest.json").exists() and not again:
         return rechunk(out)
     with tempfile.TemporaryDirectory() as tmp:
